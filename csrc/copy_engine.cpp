@@ -1,0 +1,235 @@
+#include "copy_engine.h"
+
+#include <algorithm>
+#include <cstring>
+
+#include <sched.h>
+
+#include "dtype.h"
+
+namespace streamload {
+namespace {
+
+// Work is split so that each piece moves about this many destination bytes:
+// large enough to amortise dispatch, small enough to balance two cores.
+constexpr int64_t kPieceBytes = 4 << 20;
+
+// Regions after merging dims that are contiguous in both source and dest.
+struct Region {
+  int ndim;
+  int64_t shape[kMaxDims], ss[kMaxDims], ds[kMaxDims];
+};
+
+Region coalesce(const CopyOp& op) {
+  Region r{};
+  r.ndim = 0;
+  for (int i = 0; i < op.ndim; ++i) {
+    if (op.shape[i] == 1) continue;  // size-1 dims carry no stride information
+    if (r.ndim > 0) {
+      int j = r.ndim - 1;
+      if (r.ss[j] == op.shape[i] * op.src_stride[i] && r.ds[j] == op.shape[i] * op.dst_stride[i]) {
+        r.shape[j] *= op.shape[i];
+        r.ss[j] = op.src_stride[i];
+        r.ds[j] = op.dst_stride[i];
+        continue;
+      }
+    }
+    r.shape[r.ndim] = op.shape[i];
+    r.ss[r.ndim] = op.src_stride[i];
+    r.ds[r.ndim] = op.dst_stride[i];
+    ++r.ndim;
+  }
+  if (r.ndim == 0) {  // a single element
+    r.ndim = 1;
+    r.shape[0] = 1;
+    r.ss[0] = 1;
+    r.ds[0] = 1;
+  }
+  return r;
+}
+
+int64_t numel(const CopyOp& op) {
+  int64_t n = 1;
+  for (int i = 0; i < op.ndim; ++i) n *= op.shape[i];
+  return n;
+}
+
+// [lo, hi] element extents reached from `offset` (inclusive); requires numel > 0.
+void extent(const CopyOp& op, bool src, int64_t* lo, int64_t* hi) {
+  int64_t l = src ? op.src_offset : op.dst_offset, h = l;
+  for (int i = 0; i < op.ndim; ++i) {
+    int64_t st = src ? op.src_stride[i] : op.dst_stride[i];
+    int64_t span = (op.shape[i] - 1) * st;
+    if (span < 0) l += span; else h += span;
+  }
+  *lo = l;
+  *hi = h;
+}
+
+void validate(const CopyOp& op, size_t idx, size_t nfiles, const std::vector<const MappedFile*>& files) {
+  auto bad = [&](const std::string& why) { return CopyError("copy op " + std::to_string(idx) + ": " + why, static_cast<int64_t>(idx)); };
+  if (op.ndim < 0 || op.ndim > kMaxDims) throw bad("ndim out of range");
+  if (op.src_dtype < 0 || op.src_dtype >= static_cast<int64_t>(DType::COUNT) || op.dst_dtype < 0 ||
+      op.dst_dtype >= static_cast<int64_t>(DType::COUNT))
+    throw bad("unknown dtype");
+  DType sd = static_cast<DType>(op.src_dtype), dd = static_cast<DType>(op.dst_dtype);
+  if (!conversion_supported(sd, dd))
+    throw bad(std::string("no conversion from ") + dtype_name(sd) + " to " + dtype_name(dd));
+  for (int i = 0; i < op.ndim; ++i)
+    if (op.shape[i] < 0) throw bad("negative shape");
+  if (op.src_nbytes < 0 || op.dst_nbytes < 0) throw bad("negative length");
+  if (op.file >= 0) {
+    if (static_cast<size_t>(op.file) >= nfiles) throw bad("file index out of range");
+    const Header& h = files[static_cast<size_t>(op.file)]->header();
+    if (op.src < 0 || static_cast<uint64_t>(op.src) > h.data_size ||
+        static_cast<uint64_t>(op.src_nbytes) > h.data_size - static_cast<uint64_t>(op.src))
+      throw bad("source tensor is outside the file's data section");
+  } else if (op.file != -1) {
+    throw bad("bad file index");
+  }
+  if (numel(op) == 0) return;
+  if (op.dst == 0 || (op.file == -1 && op.src == 0)) throw bad("null pointer");
+  int64_t lo, hi;
+  extent(op, true, &lo, &hi);
+  int64_t si = static_cast<int64_t>(dtype_itemsize(sd)), di = static_cast<int64_t>(dtype_itemsize(dd));
+  if (lo < 0 || (hi + 1) * si > op.src_nbytes) throw bad("region reads outside the source tensor");
+  extent(op, false, &lo, &hi);
+  if (lo < 0 || (hi + 1) * di > op.dst_nbytes) throw bad("region writes outside the destination buffer");
+}
+
+template <typename S, typename D, typename F>
+inline void run_loop(const char* s, char* d, int64_t n, int64_t ss, int64_t ds, F cvt) {
+  const S* sp = reinterpret_cast<const S*>(s);
+  D* dp = reinterpret_cast<D*>(d);
+  if (ss == 1 && ds == 1) {
+    for (int64_t i = 0; i < n; ++i) { S v; std::memcpy(&v, sp + i, sizeof(S)); D o = cvt(v); std::memcpy(dp + i, &o, sizeof(D)); }
+  } else {
+    for (int64_t i = 0; i < n; ++i) { S v; std::memcpy(&v, sp + i * ss, sizeof(S)); D o = cvt(v); std::memcpy(dp + i * ds, &o, sizeof(D)); }
+  }
+}
+
+// Reads one element of a float-family dtype as float (f64 keeps double
+// precision until the final narrowing, as torch's casts do).
+inline double load_f(DType t, const char* p) {
+  switch (t) {
+    case DType::F16: { uint16_t h; std::memcpy(&h, p, 2); return f16_to_f32(h); }
+    case DType::BF16: { uint16_t h; std::memcpy(&h, p, 2); return bf16_to_f32(h); }
+    case DType::F32: { float f; std::memcpy(&f, p, 4); return f; }
+    default: { double f; std::memcpy(&f, p, 8); return f; }
+  }
+}
+
+inline void store_f(DType t, char* p, double v) {
+  switch (t) {
+    case DType::F16: { uint16_t h = f32_to_f16(static_cast<float>(v)); std::memcpy(p, &h, 2); break; }
+    case DType::BF16: { uint16_t h = f32_to_bf16(static_cast<float>(v)); std::memcpy(p, &h, 2); break; }
+    case DType::F32: { float f = static_cast<float>(v); std::memcpy(p, &f, 4); break; }
+    default: std::memcpy(p, &v, 8);
+  }
+}
+
+// Copies one contiguous-or-strided run of n elements.
+void copy_run(DType sd, DType dd, const char* s, char* d, int64_t n, int64_t ss, int64_t ds) {
+  if (sd == dd && ss == 1 && ds == 1) {
+    std::memcpy(d, s, static_cast<size_t>(n) * dtype_itemsize(sd));
+    return;
+  }
+  if (sd == dd) {
+    size_t isz = dtype_itemsize(sd);
+    for (int64_t i = 0; i < n; ++i) std::memcpy(d + i * ds * isz, s + i * ss * isz, isz);
+    return;
+  }
+  // Hot casts get typed loops the compiler can vectorise.
+  if (sd == DType::BF16 && dd == DType::F32) return run_loop<uint16_t, float>(s, d, n, ss, ds, bf16_to_f32);
+  if (sd == DType::F16 && dd == DType::F32) return run_loop<uint16_t, float>(s, d, n, ss, ds, f16_to_f32);
+  if (sd == DType::F32 && dd == DType::BF16) return run_loop<float, uint16_t>(s, d, n, ss, ds, f32_to_bf16);
+  if (sd == DType::F32 && dd == DType::F16) return run_loop<float, uint16_t>(s, d, n, ss, ds, f32_to_f16);
+  size_t si = dtype_itemsize(sd), di = dtype_itemsize(dd);
+  for (int64_t i = 0; i < n; ++i) store_f(dd, d + i * ds * di, load_f(sd, s + i * ss * si));
+}
+
+// Walks a coalesced region; the innermost dim is one run.
+void copy_region(DType sd, DType dd, const char* s, char* d, const Region& r) {
+  size_t si = dtype_itemsize(sd), di = dtype_itemsize(dd);
+  int inner = r.ndim - 1;
+  int64_t idx[kMaxDims] = {0};
+  for (;;) {
+    int64_t so = 0, dof = 0;
+    for (int i = 0; i < inner; ++i) { so += idx[i] * r.ss[i]; dof += idx[i] * r.ds[i]; }
+    copy_run(sd, dd, s + so * static_cast<int64_t>(si), d + dof * static_cast<int64_t>(di), r.shape[inner], r.ss[inner], r.ds[inner]);
+    int i = inner - 1;
+    while (i >= 0 && ++idx[i] == r.shape[i]) { idx[i] = 0; --i; }
+    if (i < 0) return;
+  }
+}
+
+struct Piece {
+  size_t op;
+  Region region;
+  int64_t src_offset, dst_offset;  // elements
+};
+
+}  // namespace
+
+size_t default_threads() {
+  cpu_set_t set;
+  if (sched_getaffinity(0, sizeof(set), &set) == 0) {
+    int n = CPU_COUNT(&set);
+    if (n > 0) return static_cast<size_t>(n);
+  }
+  unsigned n = std::thread::hardware_concurrency();
+  return n ? n : 1;
+}
+
+CopyEngine::CopyEngine(size_t threads) : pool_(threads ? threads : default_threads()) {}
+
+uint64_t CopyEngine::execute(const std::vector<const MappedFile*>& files, const CopyOp* ops, size_t n) {
+  for (size_t i = 0; i < n; ++i) validate(ops[i], i, files.size(), files);
+  std::vector<Piece> pieces;
+  uint64_t total = 0;
+  for (size_t i = 0; i < n; ++i) {
+    const CopyOp& op = ops[i];
+    if (numel(op) == 0) continue;
+    Region r = coalesce(op);
+    int64_t di = static_cast<int64_t>(dtype_itemsize(static_cast<DType>(op.dst_dtype)));
+    int64_t row = di;  // destination bytes per index of the outer dim
+    for (int k = 1; k < r.ndim; ++k) row *= r.shape[k];
+    total += static_cast<uint64_t>(numel(op)) * dtype_itemsize(static_cast<DType>(op.src_dtype));
+    int64_t step = std::max<int64_t>(1, kPieceBytes / std::max<int64_t>(row, 1));
+    for (int64_t b = 0; b < r.shape[0]; b += step) {
+      Piece p{i, r, op.src_offset + b * r.ss[0], op.dst_offset + b * r.ds[0]};
+      p.region.shape[0] = std::min(step, r.shape[0] - b);
+      pieces.push_back(p);
+    }
+  }
+  pool_.run(pieces.size(), [&](size_t k) {
+    const Piece& p = pieces[k];
+    const CopyOp& op = ops[p.op];
+    DType sd = static_cast<DType>(op.src_dtype), dd = static_cast<DType>(op.dst_dtype);
+    int64_t si = static_cast<int64_t>(dtype_itemsize(sd)), di = static_cast<int64_t>(dtype_itemsize(dd));
+    char* dst = reinterpret_cast<char*>(op.dst) + p.dst_offset * di;
+    if (op.file < 0) {
+      copy_region(sd, dd, reinterpret_cast<const char*>(op.src) + p.src_offset * si, dst, p.region);
+      return;
+    }
+    const MappedFile* f = files[static_cast<size_t>(op.file)];
+    if (f->mapped()) {
+      copy_region(sd, dd, f->data() + op.src + p.src_offset * si, dst, p.region);
+      return;
+    }
+    // pread: fetch the byte span the piece touches, then copy out of it.
+    int64_t lo = 0, hi = 0;
+    for (int k2 = 0; k2 < p.region.ndim; ++k2) {
+      int64_t span = (p.region.shape[k2] - 1) * p.region.ss[k2];
+      if (span < 0) lo += span; else hi += span;
+    }
+    thread_local std::vector<char> buf;
+    size_t len = static_cast<size_t>((hi - lo + 1) * si);
+    if (buf.size() < len) buf.resize(len);
+    f->read_data(static_cast<uint64_t>(op.src + (p.src_offset + lo) * si), len, buf.data());
+    copy_region(sd, dd, buf.data() - lo * si, dst, p.region);
+  });
+  return total;
+}
+
+}  // namespace streamload

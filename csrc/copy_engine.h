@@ -1,0 +1,60 @@
+// Batches of copy ops: each copies an N-d strided region of a source tensor
+// (in a mapped/pread file, or in memory) into a destination buffer, casting
+// the element type on the way. Every op is bounds-checked before anything is
+// written, so a bad batch writes nothing.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "mapped_file.h"
+#include "thread_pool.h"
+
+namespace streamload {
+
+constexpr int kMaxDims = 8;
+
+// One op as it crosses the boundary: a row of int64 in a (n, kOpFields) array.
+struct CopyOp {
+  int64_t file;        // index into the batch's files, or -1: `src` is an address
+  int64_t src;         // byte offset of the source tensor in the file's data section, or address
+  int64_t src_nbytes;  // bytes of the source tensor (the read bound)
+  int64_t src_dtype;
+  int64_t dst;         // destination address
+  int64_t dst_nbytes;  // bytes writable at dst (the write bound)
+  int64_t dst_dtype;
+  int64_t ndim;
+  int64_t src_offset;  // element offset of the region in the source tensor
+  int64_t dst_offset;  // element offset of the region at dst
+  int64_t shape[kMaxDims];
+  int64_t src_stride[kMaxDims];  // in elements
+  int64_t dst_stride[kMaxDims];  // in elements
+};
+constexpr int kOpFields = sizeof(CopyOp) / sizeof(int64_t);
+static_assert(kOpFields == 34, "CopyOp layout is part of the Python contract");
+
+class CopyError : public std::runtime_error {
+ public:
+  CopyError(const std::string& what, int64_t op) : std::runtime_error(what), op(op) {}
+  int64_t op;
+};
+
+class CopyEngine {
+ public:
+  explicit CopyEngine(size_t threads);
+  size_t threads() const { return pool_.size(); }
+
+  // Validates every op, then executes them all; returns bytes read.
+  uint64_t execute(const std::vector<const MappedFile*>& files, const CopyOp* ops, size_t n);
+
+ private:
+  ThreadPool pool_;
+};
+
+// Threads to use when the caller does not say: the CPUs this process may run on.
+size_t default_threads();
+
+}  // namespace streamload

@@ -1,0 +1,43 @@
+"""streamload: stream safetensors checkpoints into FSDP2 shards."""
+
+from __future__ import annotations
+
+from .checkpoint import Checkpoint, TensorInfo
+from .errors import (
+    CheckpointError,
+    CheckpointFileError,
+    CheckpointIndexError,
+    CopyOpError,
+    DTypeMismatchError,
+    HeaderError,
+    KeyMismatchError,
+    ModelMismatchError,
+    RemoteRankError,
+    ShapeMismatchError,
+    StreamloadError,
+    TensorNotFoundError,
+    TieError,
+    UnsafePathError,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Checkpoint",
+    "CheckpointError",
+    "CheckpointFileError",
+    "CheckpointIndexError",
+    "CopyOpError",
+    "DTypeMismatchError",
+    "HeaderError",
+    "KeyMismatchError",
+    "ModelMismatchError",
+    "RemoteRankError",
+    "ShapeMismatchError",
+    "StreamloadError",
+    "TensorInfo",
+    "TensorNotFoundError",
+    "TieError",
+    "UnsafePathError",
+    "__version__",
+]

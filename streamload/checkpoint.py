@@ -1,0 +1,290 @@
+"""A safetensors checkpoint on disk: one file, a directory with an index, or
+a directory of shards. Headers are validated natively; nothing is written."""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from . import _native
+from .copy_ops import ITEMSIZE, ST_DTYPES, TORCH_DTYPES, OpBatch, can_convert, contiguous_strides
+from .errors import (
+    CheckpointError,
+    CheckpointIndexError,
+    DTypeMismatchError,
+    TensorNotFoundError,
+    UnsafePathError,
+)
+
+INDEX_NAME = "model.safetensors.index.json"
+Box = Sequence["slice | tuple[int, int]"]
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """One row of the tensor table.
+
+    Attributes:
+        name: tensor key in the checkpoint.
+        dtype: safetensors dtype name (``"BF16"``, ...).
+        shape: tensor shape.
+        file: path of the file holding it.
+        file_index: index of that file in ``Checkpoint.files``.
+        offset: absolute byte offset of its data within the file.
+        begin: byte offset within the file's data section.
+        nbytes: size in bytes.
+    """
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    file: str
+    file_index: int
+    offset: int
+    begin: int
+    nbytes: int
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return TORCH_DTYPES[self.dtype]
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for s in self.shape:
+            n *= s
+        return n
+
+
+def _safe_member(root: Path, name: str, where: str) -> Path:
+    """Resolves ``name`` inside ``root`` or raises UnsafePathError."""
+    if not name or os.path.isabs(name) or name.startswith(("/", "\\")):
+        raise UnsafePathError(f"absolute or empty path {name!r} in {where}", str(root / INDEX_NAME))
+    parts = Path(name).parts
+    if ".." in parts:
+        raise UnsafePathError(f"path {name!r} in {where} leaves the checkpoint directory", str(root / INDEX_NAME))
+    candidate = root / name
+    real_root = root.resolve()
+    real = candidate.resolve()
+    if real != real_root and real_root not in real.parents:
+        raise UnsafePathError(
+            f"path {name!r} in {where} resolves to {real}, outside the checkpoint directory (symlink?)",
+            str(candidate),
+        )
+    return candidate
+
+
+def resolve_files(path: str | os.PathLike) -> tuple[list[Path], dict[str, str] | None]:
+    """Lists the safetensors files of a checkpoint and its weight map, if indexed.
+
+    Args:
+        path: a ``.safetensors`` file or a checkpoint directory.
+
+    Returns:
+        (files in load order, {tensor name: file name} or None without an index).
+    """
+    root = Path(path)
+    if root.is_file():
+        return [root], None
+    if not root.is_dir():
+        raise CheckpointError("no such checkpoint file or directory", str(root))
+    index_path = root / INDEX_NAME
+    if index_path.exists():
+        try:
+            index = json.loads(index_path.read_text())
+            weight_map = index["weight_map"]
+            if not isinstance(weight_map, dict):
+                raise TypeError("weight_map is not an object")
+        except (ValueError, KeyError, TypeError) as exc:
+            raise CheckpointIndexError(f"malformed index: {exc}", str(index_path)) from exc
+        names: list[str] = []
+        for tensor, fname in weight_map.items():
+            if not isinstance(fname, str):
+                raise CheckpointIndexError(f"file name is not a string: {fname!r}", str(index_path), tensor)
+            _safe_member(root, fname, f"the index entry for '{tensor}'")
+            if fname not in names:
+                names.append(fname)
+        return [root / n for n in sorted(names)], {k: str(v) for k, v in weight_map.items()}
+    files = sorted(p for p in root.iterdir() if p.suffix == ".safetensors")
+    for f in files:
+        _safe_member(root, f.name, "the checkpoint directory")
+    if not files:
+        raise CheckpointError("no .safetensors files in the checkpoint directory", str(root))
+    return files, None
+
+
+class Checkpoint:
+    """A safetensors checkpoint opened read-only.
+
+    Args:
+        path: a single ``.safetensors`` file, or a directory holding
+            ``model.safetensors.index.json`` or several ``.safetensors`` files.
+        mode: ``"auto"`` (mmap, pread where mmap fails), ``"mmap"`` or ``"pread"``.
+        threads: copy threads (default: the CPUs available).
+
+    Example:
+        >>> ckpt = Checkpoint("ckpt_dir")
+        >>> w = ckpt.read("model.embed_tokens.weight", dtype=torch.float32)
+    """
+
+    def __init__(self, path: str | os.PathLike, mode: str = "auto", threads: int | None = None) -> None:
+        self.path = Path(path)
+        self.mode = mode
+        paths, weight_map = resolve_files(self.path)
+        self.files = [_native.SafetensorsFile(str(p), mode) for p in paths]
+        self.engine = _native.CopyEngine(threads or 0)
+        self.metadata: dict[str, dict[str, str]] = {}
+        self._table: dict[str, TensorInfo] = {}
+        for i, f in enumerate(self.files):
+            self.metadata[f.path] = dict(f.metadata)
+            for name, dtype, shape, begin, end in f.tensors:
+                if weight_map is not None and weight_map.get(name) is not None:
+                    if (self.path / weight_map[name]).resolve() != Path(f.path).resolve():
+                        continue  # the index names another file for it
+                if name in self._table:
+                    raise CheckpointError(
+                        f"tensor is in two files ({self._table[name].file} and {f.path})", f.path, name
+                    )
+                self._table[name] = TensorInfo(
+                    name, dtype, tuple(shape), f.path, i, f.data_start + begin, begin, end - begin
+                )
+        if weight_map is not None:
+            for name, fname in weight_map.items():
+                if name not in self._table:
+                    raise CheckpointIndexError(
+                        f"the index maps it to {fname}, which does not hold it", str(self.path / fname), name
+                    )
+
+    # -- table ---------------------------------------------------------------
+    def __contains__(self, name: object) -> bool:
+        return name in self._table
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._table)
+
+    def __len__(self) -> int:
+        return len(self._table)
+
+    def keys(self) -> list[str]:
+        return list(self._table)
+
+    def info(self, name: str) -> TensorInfo:
+        """Returns the table row of ``name`` or raises TensorNotFoundError."""
+        try:
+            return self._table[name]
+        except KeyError:
+            raise TensorNotFoundError("not in the checkpoint", str(self.path), name) from None
+
+    @property
+    def tensors(self) -> list[TensorInfo]:
+        """The tensor table, in file then header order."""
+        return list(self._table.values())
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(t.nbytes for t in self._table.values())
+
+    # -- reads ---------------------------------------------------------------
+    def read(self, name: str, out: torch.Tensor | None = None, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """Reads a whole tensor.
+
+        Args:
+            name: tensor key.
+            out: contiguous CPU tensor of the same shape to fill (its dtype wins).
+            dtype: result dtype when ``out`` is not given (default: the file's).
+
+        Returns:
+            The tensor (``out`` when given).
+        """
+        info = self.info(name)
+        return self.read_region(name, [(0, s) for s in info.shape], out=out, dtype=dtype)
+
+    def read_region(
+        self, name: str, box: Box, out: torch.Tensor | None = None, dtype: torch.dtype | None = None
+    ) -> torch.Tensor:
+        """Reads the sub-box ``box`` (one slice or (start, stop) per dim) of a tensor."""
+        info = self.info(name)
+        starts, sizes = _normalize_box(box, info)
+        target = out
+        if target is None:
+            target = torch.empty(sizes, dtype=dtype or info.torch_dtype)
+        self.read_into({name: (target, starts)})
+        return target
+
+    def read_into(self, targets: Mapping[str, torch.Tensor | tuple[torch.Tensor, Sequence[int]]]) -> int:
+        """Fills many preallocated tensors in one native call.
+
+        Args:
+            targets: name -> contiguous CPU tensor (whole tensor), or
+                name -> (tensor, region start per dim) for a sub-box the tensor's shape.
+
+        Returns:
+            Bytes read from the checkpoint.
+        """
+        batch = OpBatch()
+        for name, target in targets.items():
+            info = self.info(name)
+            if isinstance(target, tuple):
+                tensor, starts = target
+            else:
+                tensor, starts = target, [0] * len(info.shape)
+            self._add_region_op(batch, info, tensor, list(starts))
+        return batch.execute(self.engine, self.files)
+
+    def _add_region_op(self, batch: OpBatch, info: TensorInfo, out: torch.Tensor, starts: list[int]) -> None:
+        shape = tuple(out.shape)
+        if out.device.type != "cpu" or not out.is_contiguous():
+            raise ValueError(f"out for '{info.name}' must be a contiguous CPU tensor")
+        if len(shape) != len(info.shape) or any(
+            s < 0 or s + n > d for s, n, d in zip(starts, shape, info.shape, strict=True)
+        ):
+            raise CheckpointError(
+                f"region start {starts} size {list(shape)} does not fit shape {list(info.shape)}", info.file, info.name
+            )
+        dst_dtype = ST_DTYPES.get(out.dtype)
+        if dst_dtype is None or not can_convert(info.dtype, dst_dtype):
+            raise DTypeMismatchError(f"cannot read {info.dtype} into {out.dtype}", info.file, info.name)
+        src_strides = contiguous_strides(info.shape)
+        batch.add(
+            file=info.file_index,
+            src=info.begin,
+            src_nbytes=info.nbytes,
+            src_dtype=info.dtype,
+            dst=out,
+            dst_dtype=dst_dtype,
+            shape=shape,
+            src_strides=src_strides,
+            dst_strides=contiguous_strides(shape),
+            src_offset=sum(s * st for s, st in zip(starts, src_strides, strict=True)),
+        )
+
+    def check_unchanged(self) -> None:
+        """Raises CheckpointFileError if any file shrank since it was opened."""
+        for f in self.files:
+            f.check_unchanged()
+
+
+def _normalize_box(box: Box, info: TensorInfo) -> tuple[list[int], list[int]]:
+    if len(box) != len(info.shape):
+        raise CheckpointError(f"box has {len(box)} dims, tensor has {len(info.shape)}", info.file, info.name)
+    starts, sizes = [], []
+    for b, dim in zip(box, info.shape, strict=True):
+        if isinstance(b, slice):
+            start, stop, step = b.indices(dim)
+            if step != 1:
+                raise CheckpointError("strided boxes are not supported", info.file, info.name)
+        else:
+            start, stop = int(b[0]), int(b[1])
+        if not 0 <= start <= stop <= dim:
+            raise CheckpointError(f"box {box} is outside shape {list(info.shape)}", info.file, info.name)
+        starts.append(start)
+        sizes.append(stop - start)
+    return starts, sizes
+
+
+__all__ = ["INDEX_NAME", "ITEMSIZE", "Checkpoint", "TensorInfo", "resolve_files"]
