@@ -12,6 +12,7 @@ class Parser {
   Parser(const char* d, size_t n) : d_(d), n_(n) {}
 
   JsonValue document() {
+    check_utf8();
     skip_ws();
     JsonValue v = value(0);
     skip_ws();
@@ -21,6 +22,25 @@ class Parser {
 
  private:
   [[noreturn]] void fail(const std::string& what) { throw JsonError(what, i_); }
+
+  // Names become Python str: reject byte sequences that are not UTF-8.
+  void check_utf8() {
+    const auto* u = reinterpret_cast<const unsigned char*>(d_);
+    size_t i = 0;
+    while (i < n_) {
+      unsigned c = u[i];
+      size_t len = c < 0x80 ? 1 : (c >> 5) == 0x6 ? 2 : (c >> 4) == 0xE ? 3 : (c >> 3) == 0x1E ? 4 : 0;
+      if (len == 0 || i + len > n_) { i_ = i; fail("invalid UTF-8"); }
+      unsigned cp = len == 1 ? c : len == 2 ? (c & 0x1F) : len == 3 ? (c & 0x0F) : (c & 0x07);
+      for (size_t k = 1; k < len; ++k) {
+        if ((u[i + k] & 0xC0) != 0x80) { i_ = i; fail("invalid UTF-8"); }
+        cp = (cp << 6) | (u[i + k] & 0x3F);
+      }
+      bool overlong = (len == 2 && cp < 0x80) || (len == 3 && cp < 0x800) || (len == 4 && cp < 0x10000);
+      if (overlong || cp > 0x10FFFF || (cp >= 0xD800 && cp <= 0xDFFF)) { i_ = i; fail("invalid UTF-8"); }
+      i += len;
+    }
+  }
 
   void skip_ws() {
     while (i_ < n_ && (d_[i_] == ' ' || d_[i_] == '\t' || d_[i_] == '\n' || d_[i_] == '\r')) ++i_;
