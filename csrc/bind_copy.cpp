@@ -34,7 +34,13 @@ void bind_copy(py::module_& m) {
             py::gil_scoped_release nogil;
             return e.execute(raw, reinterpret_cast<const CopyOp*>(ops), ops_nbytes / sizeof(CopyOp));
           },
-          py::arg("files"), py::arg("ops"), py::arg("ops_nbytes"));
+          py::arg("files"), py::arg("ops"), py::arg("ops_nbytes"))
+      .def(
+          "parallel_memcpy",
+          [](CopyEngine& e, uintptr_t dst, uintptr_t src, size_t n) {
+            e.parallel_memcpy(reinterpret_cast<char*>(dst), reinterpret_cast<const char*>(src), n);
+          },
+          py::arg("dst"), py::arg("src"), py::arg("nbytes"), py::call_guard<py::gil_scoped_release>());
 }
 
 }  // namespace streamload

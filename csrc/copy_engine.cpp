@@ -5,6 +5,11 @@
 
 #include <sched.h>
 
+#if defined(__x86_64__) || defined(__SSE2__)
+#include <emmintrin.h>
+#define STREAMLOAD_HAVE_SSE2 1
+#endif
+
 #include "dtype.h"
 
 namespace streamload {
@@ -128,10 +133,45 @@ inline void store_f(DType t, char* p, double v) {
   }
 }
 
+// Above this size a run is copied with non-temporal stores: the destination
+// is not read first (no read-for-ownership), which cuts memory traffic by a
+// third. glibc only switches to such stores above ~3/4 of the L3 size per
+// copy (240 MB here), far above the pieces a load moves.
+constexpr size_t kStreamBytes = 256 << 10;
+
+void stream_copy(char* d, const char* s, size_t n) {
+#ifdef STREAMLOAD_HAVE_SSE2
+  if (n >= kStreamBytes) {
+    size_t head = (16 - (reinterpret_cast<uintptr_t>(d) & 15)) & 15;
+    std::memcpy(d, s, head);
+    d += head;
+    s += head;
+    n -= head;
+    size_t blocks = n / 64;
+    for (size_t i = 0; i < blocks; ++i) {
+      __m128i a = _mm_loadu_si128(reinterpret_cast<const __m128i*>(s));
+      __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(s + 16));
+      __m128i c = _mm_loadu_si128(reinterpret_cast<const __m128i*>(s + 32));
+      __m128i e = _mm_loadu_si128(reinterpret_cast<const __m128i*>(s + 48));
+      _mm_stream_si128(reinterpret_cast<__m128i*>(d), a);
+      _mm_stream_si128(reinterpret_cast<__m128i*>(d + 16), b);
+      _mm_stream_si128(reinterpret_cast<__m128i*>(d + 32), c);
+      _mm_stream_si128(reinterpret_cast<__m128i*>(d + 48), e);
+      s += 64;
+      d += 64;
+    }
+    // Streaming stores are weakly ordered: fence before anyone reads them.
+    _mm_sfence();
+    n -= blocks * 64;
+  }
+#endif
+  std::memcpy(d, s, n);
+}
+
 // Copies one contiguous-or-strided run of n elements.
 void copy_run(DType sd, DType dd, const char* s, char* d, int64_t n, int64_t ss, int64_t ds) {
   if (sd == dd && ss == 1 && ds == 1) {
-    std::memcpy(d, s, static_cast<size_t>(n) * dtype_itemsize(sd));
+    stream_copy(d, s, static_cast<size_t>(n) * dtype_itemsize(sd));
     return;
   }
   if (sd == dd) {
@@ -217,6 +257,11 @@ uint64_t CopyEngine::execute(const std::vector<const MappedFile*>& files, const 
       copy_region(sd, dd, f->data() + op.src + p.src_offset * si, dst, p.region);
       return;
     }
+    if (sd == dd && p.region.ndim == 1 && p.region.ss[0] == 1 && p.region.ds[0] == 1) {
+      // Contiguous and no cast: read straight into the destination.
+      f->read_data(static_cast<uint64_t>(op.src + p.src_offset * si), static_cast<uint64_t>(p.region.shape[0] * si), dst);
+      return;
+    }
     // pread: fetch the byte span the piece touches, then copy out of it.
     int64_t lo = 0, hi = 0;
     for (int k2 = 0; k2 < p.region.ndim; ++k2) {
@@ -230,6 +275,15 @@ uint64_t CopyEngine::execute(const std::vector<const MappedFile*>& files, const 
     copy_region(sd, dd, buf.data() - lo * si, dst, p.region);
   });
   return total;
+}
+
+void CopyEngine::parallel_memcpy(char* dst, const char* src, size_t n) {
+  size_t parts = pool_.size();
+  size_t chunk = (n + parts - 1) / parts;
+  pool_.run(parts, [&](size_t i) {
+    size_t b = i * chunk;
+    if (b < n) std::memcpy(dst + b, src + b, std::min(chunk, n - b));
+  });
 }
 
 }  // namespace streamload

@@ -67,7 +67,9 @@ def _safe_member(root: Path, name: str, where: str) -> Path:
         raise UnsafePathError(f"absolute or empty path {name!r} in {where}", str(root / INDEX_NAME))
     parts = Path(name).parts
     if ".." in parts:
-        raise UnsafePathError(f"path {name!r} in {where} leaves the checkpoint directory", str(root / INDEX_NAME))
+        raise UnsafePathError(
+            f"path {name!r} in {where} leaves the checkpoint directory", str(root / INDEX_NAME)
+        )
     candidate = root / name
     real_root = root.resolve()
     real = candidate.resolve()
@@ -190,7 +192,9 @@ class Checkpoint:
         return sum(t.nbytes for t in self._table.values())
 
     # -- reads ---------------------------------------------------------------
-    def read(self, name: str, out: torch.Tensor | None = None, dtype: torch.dtype | None = None) -> torch.Tensor:
+    def read(
+        self, name: str, out: torch.Tensor | None = None, dtype: torch.dtype | None = None
+    ) -> torch.Tensor:
         """Reads a whole tensor.
 
         Args:
@@ -244,7 +248,9 @@ class Checkpoint:
             s < 0 or s + n > d for s, n, d in zip(starts, shape, info.shape, strict=True)
         ):
             raise CheckpointError(
-                f"region start {starts} size {list(shape)} does not fit shape {list(info.shape)}", info.file, info.name
+                f"region start {starts} size {list(shape)} does not fit shape {list(info.shape)}",
+                info.file,
+                info.name,
             )
         dst_dtype = ST_DTYPES.get(out.dtype)
         if dst_dtype is None or not can_convert(info.dtype, dst_dtype):

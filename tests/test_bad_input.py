@@ -27,20 +27,59 @@ def _file(tmp: Path, header: dict, data: bytes, name: str = "m.safetensors", pad
 
 
 def _good(tmp: Path) -> Path:
-    save_file({"a": torch.arange(6, dtype=torch.float32), "b": torch.ones(2, 2, dtype=torch.bfloat16)},
-              str(tmp / "m.safetensors"))
+    save_file(
+        {"a": torch.arange(6, dtype=torch.float32), "b": torch.ones(2, 2, dtype=torch.bfloat16)},
+        str(tmp / "m.safetensors"),
+    )
     return tmp / "m.safetensors"
 
 
 CASES = {
-    "unknown_dtype": ({"w": {"dtype": "Q7", "shape": [2], "data_offsets": [0, 8]}}, b"\0" * 8, "w", "unknown dtype"),
-    "wrong_byte_count": ({"w": {"dtype": "F32", "shape": [3], "data_offsets": [0, 8]}}, b"\0" * 8, "w", "12 bytes"),
-    "offsets_past_data": ({"w": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]}}, b"\0" * 8, "w", "past the data"),
-    "overlap": ({"w": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]},
-                 "v": {"dtype": "F32", "shape": [2], "data_offsets": [4, 12]}}, b"\0" * 12, "v", "overlap"),
-    "begin_after_end": ({"w": {"dtype": "U8", "shape": [0], "data_offsets": [4, 0]}}, b"\0" * 8, "w", "begin > end"),
-    "negative_shape": ({"w": {"dtype": "U8", "shape": [-1], "data_offsets": [0, 1]}}, b"\0", "w", "bad shape"),
-    "shape_overflow": ({"w": {"dtype": "F64", "shape": [2**40, 2**40], "data_offsets": [0, 8]}}, b"\0" * 8, "w", "overflow"),
+    "unknown_dtype": (
+        {"w": {"dtype": "Q7", "shape": [2], "data_offsets": [0, 8]}},
+        b"\0" * 8,
+        "w",
+        "unknown dtype",
+    ),
+    "wrong_byte_count": (
+        {"w": {"dtype": "F32", "shape": [3], "data_offsets": [0, 8]}},
+        b"\0" * 8,
+        "w",
+        "12 bytes",
+    ),
+    "offsets_past_data": (
+        {"w": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]}},
+        b"\0" * 8,
+        "w",
+        "past the data",
+    ),
+    "overlap": (
+        {
+            "w": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]},
+            "v": {"dtype": "F32", "shape": [2], "data_offsets": [4, 12]},
+        },
+        b"\0" * 12,
+        "v",
+        "overlap",
+    ),
+    "begin_after_end": (
+        {"w": {"dtype": "U8", "shape": [0], "data_offsets": [4, 0]}},
+        b"\0" * 8,
+        "w",
+        "begin > end",
+    ),
+    "negative_shape": (
+        {"w": {"dtype": "U8", "shape": [-1], "data_offsets": [0, 1]}},
+        b"\0",
+        "w",
+        "bad shape",
+    ),
+    "shape_overflow": (
+        {"w": {"dtype": "F64", "shape": [2**40, 2**40], "data_offsets": [0, 8]}},
+        b"\0" * 8,
+        "w",
+        "overflow",
+    ),
     "missing_field": ({"w": {"dtype": "F32", "shape": [2]}}, b"\0" * 8, "w", "data_offsets"),
     "bad_metadata": ({"__metadata__": {"k": 1}}, b"", None, "not a string"),
 }
@@ -100,7 +139,9 @@ def test_file_truncated_while_open(tmp_path: Path) -> None:
         ckpt.read("b")
 
 
-@pytest.mark.parametrize("entry", ["../x.safetensors", "/etc/x.safetensors", "sub/../../x.safetensors", "link.safetensors"])
+@pytest.mark.parametrize(
+    "entry", ["../x.safetensors", "/etc/x.safetensors", "sub/../../x.safetensors", "link.safetensors"]
+)
 def test_index_paths_cannot_escape(tmp_path: Path, entry: str) -> None:
     outside = tmp_path / "x.safetensors"
     _good(tmp_path).rename(outside)
@@ -124,7 +165,9 @@ def test_symlink_shard_without_index_rejected(tmp_path: Path) -> None:
 
 def test_index_inconsistencies(tmp_path: Path) -> None:
     _good(tmp_path)
-    (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"zzz": "m.safetensors"}}))
+    (tmp_path / "model.safetensors.index.json").write_text(
+        json.dumps({"weight_map": {"zzz": "m.safetensors"}})
+    )
     with pytest.raises(streamload.CheckpointIndexError) as err:
         streamload.Checkpoint(tmp_path)
     assert err.value.tensor == "zzz"
@@ -135,20 +178,28 @@ def test_index_inconsistencies(tmp_path: Path) -> None:
 
 # -- fuzzing: mutated real headers never crash the process -----------------------
 
+
 def _real_header() -> bytes:
     import safetensors.torch
 
-    return safetensors.torch.save({"model.layers.0.w": torch.ones(3, 4, dtype=torch.bfloat16),
-                                   "model.norm.weight": torch.ones(4), "e": torch.zeros(0, 2)},
-                                  metadata={"format": "pt"})
+    return safetensors.torch.save(
+        {
+            "model.layers.0.w": torch.ones(3, 4, dtype=torch.bfloat16),
+            "model.norm.weight": torch.ones(4),
+            "e": torch.zeros(0, 2),
+        },
+        metadata={"format": "pt"},
+    )
 
 
 REAL = _real_header()
 
 
 @settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(st.lists(st.tuples(st.integers(0, len(REAL) - 1), st.integers(0, 255)), max_size=8),
-       st.integers(0, len(REAL)))
+@given(
+    st.lists(st.tuples(st.integers(0, len(REAL) - 1), st.integers(0, 255)), max_size=8),
+    st.integers(0, len(REAL)),
+)
 def test_fuzz_mutated_headers(mutations: list[tuple[int, int]], cut: int) -> None:
     data = bytearray(REAL)
     for pos, val in mutations:
@@ -159,7 +210,7 @@ def test_fuzz_mutated_headers(mutations: list[tuple[int, int]], cut: int) -> Non
     except streamload.HeaderError as exc:
         assert exc.file == "<memory>"
         return
-    for _name, dtype, shape, begin, end in table:
+    for _name, dtype, _shape, begin, end in table:
         assert begin <= end <= len(data) - start
         assert dtype in _native.DTYPE_CODES
 

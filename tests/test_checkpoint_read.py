@@ -96,7 +96,11 @@ def test_read_region_and_cast(tmp_path: Path, mode: str) -> None:
     w = torch.randn(37, 19, 5, generator=gen).to(torch.bfloat16)
     save_file({"w": w}, str(tmp_path / "m.safetensors"))
     ckpt = streamload.Checkpoint(tmp_path / "m.safetensors", mode=mode)
-    for box in [(slice(3, 20), slice(0, 19), slice(1, 4)), ((0, 37), (5, 6), (0, 5)), ((36, 37), (0, 0), (0, 5))]:
+    for box in [
+        (slice(3, 20), slice(0, 19), slice(1, 4)),
+        ((0, 37), (5, 6), (0, 5)),
+        ((36, 37), (0, 0), (0, 5)),
+    ]:
         sl = tuple(b if isinstance(b, slice) else slice(*b) for b in box)
         got = ckpt.read_region("w", box)
         assert torch.equal(got, w[sl])

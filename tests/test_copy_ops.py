@@ -16,10 +16,29 @@ FLOATS = [torch.float16, torch.bfloat16, torch.float32, torch.float64]
 
 def _special_values(dtype: torch.dtype) -> torch.Tensor:
     gen = torch.Generator().manual_seed(3)
-    base = torch.randn(4000, generator=gen, dtype=torch.float64) * torch.logspace(-12, 12, 4000, dtype=torch.float64)
+    base = torch.randn(4000, generator=gen, dtype=torch.float64) * torch.logspace(
+        -12, 12, 4000, dtype=torch.float64
+    )
     specials = torch.tensor(
-        [0.0, -0.0, float("inf"), float("-inf"), float("nan"), 65504.0, 65520.0, 70000.0, 6e-8, 3e-8, 1e-45,
-         3.3895e38, 3.4e38, 1.0 + 2**-8, 1.0 + 3 * 2**-9, 1.0 + 2**-11, 1.0 + 2**-12],
+        [
+            0.0,
+            -0.0,
+            float("inf"),
+            float("-inf"),
+            float("nan"),
+            65504.0,
+            65520.0,
+            70000.0,
+            6e-8,
+            3e-8,
+            1e-45,
+            3.3895e38,
+            3.4e38,
+            1.0 + 2**-8,
+            1.0 + 3 * 2**-9,
+            1.0 + 2**-11,
+            1.0 + 2**-12,
+        ],
         dtype=torch.float64,
     )
     # Halfway cases for every narrowing: round-to-nearest-even must match torch.
@@ -30,12 +49,31 @@ def _special_values(dtype: torch.dtype) -> torch.Tensor:
     return vals.to(dtype)
 
 
-def _run(src: torch.Tensor, dst: torch.Tensor, *, shape, src_strides, dst_strides, src_offset=0, dst_offset=0,
-         threads: int = 2) -> None:
+def _run(
+    src: torch.Tensor,
+    dst: torch.Tensor,
+    *,
+    shape,
+    src_strides,
+    dst_strides,
+    src_offset=0,
+    dst_offset=0,
+    threads: int = 2,
+) -> None:
     batch = OpBatch()
-    batch.add(file=-1, src=src.data_ptr(), src_nbytes=src.numel() * src.element_size(), src_dtype=ST_DTYPES[src.dtype],
-              dst=dst, dst_dtype=ST_DTYPES[dst.dtype], shape=shape, src_strides=src_strides,
-              dst_strides=dst_strides, src_offset=src_offset, dst_offset=dst_offset)
+    batch.add(
+        file=-1,
+        src=src.data_ptr(),
+        src_nbytes=src.numel() * src.element_size(),
+        src_dtype=ST_DTYPES[src.dtype],
+        dst=dst,
+        dst_dtype=ST_DTYPES[dst.dtype],
+        shape=shape,
+        src_strides=src_strides,
+        dst_strides=dst_strides,
+        src_offset=src_offset,
+        dst_offset=dst_offset,
+    )
     batch.execute(_native.CopyEngine(threads), [])
 
 
@@ -59,8 +97,22 @@ def test_casts_match_torch(src_dtype: torch.dtype, dst_dtype: torch.dtype) -> No
     assert _same(dst, src.to(dst_dtype))
 
 
-@pytest.mark.parametrize("dtype", [torch.bool, torch.uint8, torch.int8, torch.int16, torch.uint16, torch.int32,
-                                   torch.uint32, torch.int64, torch.uint64, torch.float8_e4m3fn, torch.float8_e5m2])
+@pytest.mark.parametrize(
+    "dtype",
+    [
+        torch.bool,
+        torch.uint8,
+        torch.int8,
+        torch.int16,
+        torch.uint16,
+        torch.int32,
+        torch.uint32,
+        torch.int64,
+        torch.uint64,
+        torch.float8_e4m3fn,
+        torch.float8_e5m2,
+    ],
+)
 def test_identity_copies_every_dtype(dtype: torch.dtype) -> None:
     src = torch.randint(0, 120, (6, 9), dtype=torch.int64).to(dtype)
     dst = torch.zeros((3, 9), dtype=dtype)
@@ -68,8 +120,10 @@ def test_identity_copies_every_dtype(dtype: torch.dtype) -> None:
     assert torch.equal(dst.view(torch.uint8), src[1::2].contiguous().view(torch.uint8))
 
 
-@pytest.mark.parametrize("src_dtype,dst_dtype", [(torch.bfloat16, torch.float32), (torch.float32, torch.float32),
-                                                 (torch.float32, torch.float16)])
+@pytest.mark.parametrize(
+    "src_dtype,dst_dtype",
+    [(torch.bfloat16, torch.float32), (torch.float32, torch.float32), (torch.float32, torch.float16)],
+)
 @pytest.mark.parametrize("threads", [1, 2, 3])
 def test_strided_regions(src_dtype: torch.dtype, dst_dtype: torch.dtype, threads: int) -> None:
     gen = torch.Generator().manual_seed(5)
@@ -84,14 +138,23 @@ def test_strided_regions(src_dtype: torch.dtype, dst_dtype: torch.dtype, threads
     for box in cases:
         view = src[box]
         # Write the region into the middle of a larger, transposed-layout buffer.
-        dst_full = torch.full((view.shape[3], view.shape[0] + 2, view.shape[1], view.shape[2]), 7.0, dtype=dst_dtype)
+        dst_full = torch.full(
+            (view.shape[3], view.shape[0] + 2, view.shape[1], view.shape[2]), 7.0, dtype=dst_dtype
+        )
         target = dst_full[:, 1 : 1 + view.shape[0]].permute(1, 2, 3, 0)
         st = dst_full.stride()
-        _run(src, dst_full, shape=list(view.shape), src_strides=list(src.stride()),
-             dst_strides=[st[1], st[2], st[3], st[0]], src_offset=view.storage_offset(),
-             dst_offset=st[1], threads=threads)
+        _run(
+            src,
+            dst_full,
+            shape=list(view.shape),
+            src_strides=list(src.stride()),
+            dst_strides=[st[1], st[2], st[3], st[0]],
+            src_offset=view.storage_offset(),
+            dst_offset=st[1],
+            threads=threads,
+        )
         assert _same(target.contiguous(), view.to(dst_dtype).contiguous()), box
-        untouched = torch.cat([dst_full[:, :1].reshape(-1), dst_full[:, 1 + view.shape[0]:].reshape(-1)])
+        untouched = torch.cat([dst_full[:, :1].reshape(-1), dst_full[:, 1 + view.shape[0] :].reshape(-1)])
         assert bool((untouched == 7.0).all())
 
 
@@ -111,8 +174,19 @@ def test_many_ops_in_one_call() -> None:
     dst = torch.zeros(5000, dtype=torch.bfloat16)
     batch = OpBatch()
     for i in range(0, 5000, 5):
-        batch.add(file=-1, src=src.data_ptr(), src_nbytes=src.numel() * 4, src_dtype="F32", dst=dst,
-                  dst_dtype="BF16", shape=[5], src_strides=[1], dst_strides=[1], src_offset=i, dst_offset=i)
+        batch.add(
+            file=-1,
+            src=src.data_ptr(),
+            src_nbytes=src.numel() * 4,
+            src_dtype="F32",
+            dst=dst,
+            dst_dtype="BF16",
+            shape=[5],
+            src_strides=[1],
+            dst_strides=[1],
+            src_offset=i,
+            dst_offset=i,
+        )
     assert len(batch) == 1000
     assert batch.execute(_native.CopyEngine(0), []) == 5000 * 4
     assert torch.equal(dst, src.to(torch.bfloat16))
@@ -121,10 +195,22 @@ def test_many_ops_in_one_call() -> None:
 def test_out_of_bounds_ops_write_nothing() -> None:
     src = torch.arange(16, dtype=torch.float32)
     dst = torch.zeros(8, dtype=torch.float32)
-    good = dict(file=-1, src=src.data_ptr(), src_nbytes=64, src_dtype="F32", dst=dst, dst_dtype="F32",
-                src_strides=[1], dst_strides=[1])
-    for bad in [dict(shape=[9]), dict(shape=[8], dst_offset=1), dict(shape=[8], src_offset=9),
-                dict(shape=[2], src_strides=[16])]:
+    good = dict(
+        file=-1,
+        src=src.data_ptr(),
+        src_nbytes=64,
+        src_dtype="F32",
+        dst=dst,
+        dst_dtype="F32",
+        src_strides=[1],
+        dst_strides=[1],
+    )
+    for bad in [
+        dict(shape=[9]),
+        dict(shape=[8], dst_offset=1),
+        dict(shape=[8], src_offset=9),
+        dict(shape=[2], src_strides=[16]),
+    ]:
         batch = OpBatch()
         batch.add(**{**good, "shape": [4]})  # a valid op first: it must not run either
         batch.add(**{**good, **bad})

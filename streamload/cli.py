@@ -1,0 +1,58 @@
+"""The `streamload` command: inspect, demo, ingest, bench."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+
+def _cmd_inspect(args: argparse.Namespace) -> int:
+    from .checkpoint import Checkpoint
+    from .inspect import format_summary, summarize
+
+    ckpt = Checkpoint(args.checkpoint, mode=args.mode)
+    print(format_summary(summarize(ckpt), args.checkpoint))
+    if args.tensors:
+        for t in ckpt.tensors:
+            print(f"{t.name}\t{t.dtype}\t{list(t.shape)}\t{t.file}\t{t.offset}\t{t.nbytes}")
+    return 0
+
+
+def _cmd_demo(args: argparse.Namespace) -> int:
+    from .demo import run_demo
+
+    return run_demo(world_size=args.ranks, keep=args.keep)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="streamload", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("inspect", help="summarise a checkpoint's tensor table")
+    p.add_argument("checkpoint", help="a .safetensors file or a checkpoint directory")
+    p.add_argument("--mode", default="auto", choices=["auto", "mmap", "pread"])
+    p.add_argument("--tensors", action="store_true", help="also list every tensor")
+    p.set_defaults(func=_cmd_inspect)
+
+    p = sub.add_parser("demo", help="generate a small checkpoint, load it and compare")
+    p.add_argument("--ranks", type=int, default=4)
+    p.add_argument("--keep", default=None, help="write the demo checkpoint here instead of a temp dir")
+    p.set_defaults(func=_cmd_demo)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the `streamload` command."""
+    from .errors import StreamloadError
+
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.func(args))
+    except StreamloadError as exc:
+        print(f"streamload: error: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
