@@ -19,6 +19,9 @@ from .errors import (
     TieError,
     UnsafePathError,
 )
+from .load import load_checkpoint
+from .pretrained import from_pretrained
+from .report import LoadReport
 
 __version__ = "0.1.0"
 
@@ -31,6 +34,7 @@ __all__ = [
     "DTypeMismatchError",
     "HeaderError",
     "KeyMismatchError",
+    "LoadReport",
     "ModelMismatchError",
     "RemoteRankError",
     "ShapeMismatchError",
@@ -40,4 +44,6 @@ __all__ = [
     "TieError",
     "UnsafePathError",
     "__version__",
+    "from_pretrained",
+    "load_checkpoint",
 ]

@@ -1,0 +1,332 @@
+"""load_checkpoint: checkpoint -> plan -> pack -> transport -> unpack -> finalize."""
+
+from __future__ import annotations
+
+import os
+import time
+import warnings
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .checkpoint import Checkpoint
+from .errors import KeyMismatchError, StreamloadError
+from .mapping import Table, match_keys
+from .model_state import (
+    ModelState,
+    ignore_patterns,
+    is_meta,
+    local_placement,
+    local_tensor,
+    materialize,
+    rebind_ties,
+    record_state,
+    restore_buffers,
+)
+from .pack import Packer, StagingRing
+from .plan import Plan, build_plan, validate_targets
+from .report import LoadReport, progress_enabled
+from .transport import Transport, all_gather_object, broadcast_object
+from .unpack import unpack
+
+DEFAULT_BUCKET_BYTES = 256 << 20
+# Tied duplicates are compared this many bytes at a time: never a full copy.
+_COMPARE_CHUNK = 64 << 20
+
+
+@dataclass
+class SourceMeta:
+    """What the reader tells every rank before any weight moves."""
+
+    table: Table
+    tie_conflicts: list[str] = field(default_factory=list)
+    extra: dict[str, Any] = field(default_factory=dict)  # e.g. config for from_pretrained
+
+
+def resolve_group(process_group: dist.ProcessGroup | None, device_mesh: Any) -> dist.ProcessGroup | None:
+    """The group to load over: given, else the default one; None without torch.distributed."""
+    if process_group is not None:
+        return process_group
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    if device_mesh is not None:
+        if device_mesh.ndim == 1:
+            return device_mesh.get_group()
+        if device_mesh.size() != dist.get_world_size():
+            # An N-d mesh over part of the world: its flattened group spans it.
+            return device_mesh._flatten().get_group()
+    return dist.group.WORLD
+
+
+def resolve_device(model: nn.Module, device_mesh: Any, group: dist.ProcessGroup | None) -> torch.device:
+    """The device local shards live on: the mesh's, else the model's, else by backend."""
+    dev_type = getattr(device_mesh, "device_type", None)
+    if dev_type is None:
+        for p in model.parameters():
+            mesh = getattr(p, "device_mesh", None)
+            if mesh is not None:
+                dev_type = mesh.device_type
+                break
+            if not p.is_meta:
+                return p.device
+    if dev_type is None:
+        backend = dist.get_backend(group) if group is not None else "gloo"
+        dev_type = "cuda" if "nccl" in str(backend) else "cpu"
+    if dev_type == "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device(dev_type)
+
+
+def _compare_tied(ckpt: Checkpoint, state: ModelState) -> list[str]:
+    """Aliases whose checkpoint bytes differ from their canonical tensor's."""
+    conflicts = []
+    for g in state.ties:
+        for alias in g.aliases:
+            if g.canonical not in ckpt or alias not in ckpt:
+                continue
+            a, b = ckpt.info(g.canonical), ckpt.info(alias)
+            if a.shape != b.shape or a.dtype != b.dtype:
+                conflicts.append(alias)
+                continue
+            rows = max(1, _COMPARE_CHUNK // max(1, a.nbytes // max(1, a.shape[0] if a.shape else 1)))
+            n0 = a.shape[0] if a.shape else 1
+            for r in range(0, n0, rows):
+                box = [(r, min(r + rows, n0))] + [(0, s) for s in a.shape[1:]] if a.shape else []
+                if not torch.equal(
+                    ckpt.read_region(g.canonical, box).view(torch.uint8),
+                    ckpt.read_region(alias, box).view(torch.uint8),
+                ):
+                    conflicts.append(alias)
+                    break
+    return conflicts
+
+
+def open_source(
+    path: str | os.PathLike | None,
+    rank: int,
+    src_rank: int,
+    group: dist.ProcessGroup | None,
+    device: torch.device,
+    state: ModelState,
+    read_mode: str = "auto",
+    threads: int | None = None,
+    extra: Any = None,
+) -> tuple[Checkpoint | None, SourceMeta]:
+    """The reader opens the checkpoint and broadcasts its table (or its error)."""
+    ckpt: Checkpoint | None = None
+    payload: SourceMeta | BaseException | None = None
+    if rank == src_rank:
+        try:
+            assert path is not None
+            ckpt = Checkpoint(path, mode=read_mode, threads=threads)
+            table = {t.name: (t.dtype, t.shape, t.file) for t in ckpt.tensors}
+            payload = SourceMeta(
+                table, _compare_tied(ckpt, state), dict(extra() if callable(extra) else extra or {})
+            )
+        except StreamloadError as exc:
+            exc.rank = rank
+            payload = exc
+    payload = broadcast_object(
+        payload, src_rank, group, device if device.type != "meta" else torch.device("cpu")
+    )
+    if isinstance(payload, BaseException):
+        raise payload
+    assert isinstance(payload, SourceMeta)
+    return ckpt, payload
+
+
+def load_checkpoint(
+    model: nn.Module,
+    path: str | os.PathLike | None,
+    *,
+    src_rank: int = 0,
+    strict: bool = True,
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+    slots: int = 2,
+    progress: bool | None = None,
+    process_group: dist.ProcessGroup | None = None,
+    device_mesh: Any = None,
+    threads: int | None = None,
+    read_mode: str = "auto",
+    _source: tuple[Checkpoint | None, SourceMeta] | None = None,
+) -> LoadReport:
+    """Streams a safetensors checkpoint into an FSDP2 (or plain) model.
+
+    Only ``src_rank`` opens ``path``; other ranks receive the tensor table
+    and then only their own shards' bytes. Meta models are materialised on
+    the mesh's device first; ties are re-bound and non-persistent buffers
+    restored afterwards.
+
+    Args:
+        model: a model, ``fully_shard``-ed or not, on meta or materialised.
+        path: checkpoint file or directory (read on ``src_rank`` only; other
+            ranks may pass anything, even a path that does not exist there).
+        src_rank: the global rank that reads.
+        strict: raise KeyMismatchError on missing/unexpected keys (all ranks,
+            before any weight is sent); else report them.
+        bucket_bytes: bytes per collective, all ranks together.
+        slots: staging slots (>= 2 overlaps packing with transport).
+        progress: tqdm bar on ``src_rank`` (default: when stderr is a TTY;
+            STREAMLOAD_PROGRESS=0/1 overrides).
+        process_group: group to load over (default: the default group).
+        device_mesh: the mesh the model is sharded on (for the device type).
+        threads: native copy threads on the reader.
+        read_mode: "auto", "mmap" or "pread".
+
+    Returns:
+        A LoadReport.
+
+    Example:
+        >>> model = AutoModelForCausalLM.from_config(cfg)  # under torch.device("meta")
+        >>> for layer in model.model.layers: fully_shard(layer)
+        >>> fully_shard(model)
+        >>> report = streamload.load_checkpoint(model, "/ckpt")
+    """
+    t0 = time.perf_counter()
+    if slots < 1:
+        raise ValueError("slots must be >= 1")
+    group = resolve_group(process_group, device_mesh)
+    rank = dist.get_rank() if group is not None else 0
+    device = resolve_device(model, device_mesh, group)
+    state = record_state(model)
+    ckpt, meta = _source or open_source(path, rank, src_rank, group, device, state, read_mode, threads)
+    table = meta.table
+
+    shapes = {name: tuple(t.shape) for name, t in state.targets().items()}
+    from .convert import converters_for
+
+    match = match_keys(state, shapes, table, *ignore_patterns(model), converters_for(model))
+    if strict and (match.missing or match.unexpected):
+        raise KeyMismatchError(
+            f"{len(match.missing)} missing keys {match.missing[:20]}, "
+            f"{len(match.unexpected)} unexpected keys {match.unexpected[:20]}",
+            file=str(path),
+            rank=rank,
+            missing=match.missing,
+            unexpected=match.unexpected,
+        )
+    # Shapes and tilings need no allocation: check them before materialising.
+    validate_targets(match.targets, table, [])
+
+    unrestored: list[str] = []
+    if is_meta(model):
+        materialize(model, device)
+        unrestored = restore_buffers(model, state)
+    rebind_ties(model, state.ties)
+    tensors = [_lookup(model, t.name) for t in match.targets]
+    mine = [local_placement(t) for t in tensors]
+    placements = all_gather_object(mine, group, device)
+    validate_targets(match.targets, table, placements)
+    plan = build_plan(match.targets, {k: v[0] for k, v in table.items()}, placements, bucket_bytes)
+
+    if rank == src_rank and meta.tie_conflicts:
+        warnings.warn(
+            f"streamload: checkpoint holds tied tensors with different values: {meta.tie_conflicts}; "
+            "the canonical tensor is loaded and the alias ignored (as transformers does)",
+            stacklevel=2,
+        )
+    packer = Packer(ckpt, plan) if rank == src_rank and ckpt is not None else None
+    peak = _stream(
+        plan, rank, src_rank, group, device, packer, [local_tensor(t) for t in tensors], slots, progress
+    )
+
+    rebind_ties(model, state.ties)
+    seconds = time.perf_counter() - t0
+    received = [0] * plan.world_size
+    for b in plan.buckets:
+        for r, segs in enumerate(b.segments):
+            received[r] += sum(s.nbytes for s in segs)
+    src_group_rank = dist.get_group_rank(group, src_rank) if group is not None else 0
+    return LoadReport(
+        bytes_read=packer.bytes_read if packer else 0,
+        bytes_sent=sum(n for r, n in enumerate(received) if r != src_group_rank),
+        payload_bytes=plan.payload_bytes,
+        seconds=seconds,
+        gbps=plan.payload_bytes / seconds / 1e9 if seconds > 0 else 0.0,
+        buckets=len(plan.buckets),
+        bucket_bytes=bucket_bytes,
+        slots=slots,
+        peak_staging_bytes=peak,
+        bytes_received=received,
+        missing_keys=match.missing,
+        unexpected_keys=match.unexpected,
+        tie_groups=[[g.canonical, *g.aliases] for g in state.ties],
+        tie_conflicts=meta.tie_conflicts,
+        converted=match.converted,
+        unrestored_buffers=unrestored,
+        reader="src",
+    )
+
+
+def _lookup(model: nn.Module, name: str) -> torch.Tensor:
+    mod_name, _, attr = name.rpartition(".")
+    mod = model.get_submodule(mod_name)
+    t = mod._parameters.get(attr)
+    if t is None:
+        t = mod._buffers[attr]
+    assert t is not None
+    return t
+
+
+def _stream(
+    plan: Plan,
+    rank: int,
+    src_rank: int,
+    group: dist.ProcessGroup | None,
+    device: torch.device,
+    packer: Packer | None,
+    locals_: list[torch.Tensor],
+    slots: int,
+    progress: bool | None,
+) -> int:
+    """Runs the bucket pipeline; returns the staging ring's peak bytes (reader)."""
+    transport = Transport(group, src_rank, device)
+    ring: StagingRing | None = None
+    dev_send: list[torch.Tensor] = []
+    if packer is not None and plan.buckets:
+        pin = device.type == "cuda"
+        ring = StagingRing(min(slots, len(plan.buckets)), plan.max_bucket_bytes, pin=pin)
+        if device.type != "cpu":
+            dev_send = [
+                torch.empty(plan.max_bucket_bytes, dtype=torch.uint8, device=device) for _ in ring.slots
+            ]
+    recv_len = plan.max_rank_bucket_bytes(transport.rank)
+    recv_ring = [
+        torch.empty(recv_len, dtype=torch.uint8, device=device)
+        for _ in range(min(slots, max(1, len(plan.buckets))))
+    ]
+    bar = None
+    if packer is not None and progress_enabled(progress):
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=plan.payload_bytes, unit="B", unit_scale=True, unit_divisor=1024, desc="streamload")
+    inflight: deque[tuple[int, torch.Tensor, Any]] = deque()
+
+    def finish() -> None:
+        k, recv, handle = inflight.popleft()
+        Transport.wait(handle)
+        unpack(plan.buckets[k], transport.rank, recv, locals_)
+
+    try:
+        for k, bucket in enumerate(plan.buckets):
+            if len(inflight) == len(recv_ring):
+                finish()
+            send = None
+            if packer is not None and ring is not None:
+                send = packer.pack(bucket, ring[k])
+                if dev_send:
+                    send = dev_send[k % len(dev_send)][: send.numel()].copy_(send, non_blocking=True)
+                if bar is not None:
+                    bar.update(sum(len(s) and sum(x.nbytes for x in s) for s in bucket.segments))
+            recv = recv_ring[k % len(recv_ring)][: bucket.rank_bytes[transport.rank]]
+            inflight.append((k, recv, transport.start(bucket, send, recv)))
+        while inflight:
+            finish()
+    finally:
+        if bar is not None:
+            bar.close()
+    return ring.peak_bytes if ring is not None else 0

@@ -1,0 +1,147 @@
+"""from_pretrained: build on meta with real buffers, shard, stream the weights."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .load import DEFAULT_BUCKET_BYTES, load_checkpoint, open_source, resolve_group
+from .model_state import record_state
+
+
+def repeated_blocks(model: nn.Module) -> list[nn.Module]:
+    """The model's repeated blocks: modules whose class transformers lists in
+    ``_no_split_modules`` (else the children of the largest ModuleList),
+    outermost first and never nested in each other."""
+    names = set(getattr(model, "_no_split_modules", None) or [])
+    found: list[tuple[str, nn.Module]] = []
+    if names:
+        for mod_name, mod in model.named_modules():
+            if type(mod).__name__ in names and not any(mod_name.startswith(p + ".") for p, _ in found):
+                found.append((mod_name, mod))
+    if not found:
+        lists = [m for m in model.modules() if isinstance(m, nn.ModuleList)]
+        if lists:
+            return list(max(lists, key=len))
+    return [m for _, m in found]
+
+
+def default_shard_fn(model: nn.Module, mesh: Any) -> None:
+    """``fully_shard`` each repeated block, then the root. Tied modules
+    (embedding and head) stay in the root group, so the tie is one parameter."""
+    from torch.distributed.fsdp import fully_shard
+
+    for block in repeated_blocks(model):
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+
+
+def _read_configs(path: Path) -> dict[str, Any]:
+    from transformers import AutoConfig, GenerationConfig
+
+    out: dict[str, Any] = {"config": AutoConfig.from_pretrained(path)}
+    if (path / "generation_config.json").exists():
+        out["generation_config"] = GenerationConfig.from_pretrained(path)
+    return out
+
+
+def from_pretrained(
+    path: str | os.PathLike,
+    model_cls: Any = None,
+    device_mesh: Any = None,
+    shard_fn: Callable[[nn.Module, Any], None] | None = None,
+    dtype: torch.dtype | None = None,
+    src_rank: int = 0,
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+    strict: bool = True,
+    progress: bool | None = None,
+    **load_kwargs: Any,
+) -> nn.Module:
+    """Drop-in for ``from_pretrained`` + ``fully_shard`` + loading the weights.
+
+    Only ``src_rank`` reads ``path`` (config included); every rank builds the
+    model on meta with real buffers, shards it, and receives only its shards.
+
+    Args:
+        path: local checkpoint directory (config.json + safetensors).
+        model_cls: a transformers auto class or model class (default
+            ``AutoModelForCausalLM``).
+        device_mesh: default: a 1-D mesh over the default group on cuda (NCCL)
+            or cpu (gloo); None without torch.distributed (no sharding).
+        shard_fn: ``callable(model, mesh)``; default: ``default_shard_fn``.
+        dtype: parameter dtype (default: the checkpoint's, as transformers' "auto").
+        src_rank, bucket_bytes, strict, progress: see ``load_checkpoint``.
+
+    Returns:
+        The sharded model in eval mode, with ``config`` and ``generation_config``,
+        and the LoadReport as ``model.streamload_report``.
+
+    Example:
+        >>> model = streamload.from_pretrained("/ckpt", dtype=torch.float32)
+    """
+    from accelerate import init_empty_weights
+    from transformers import AutoModelForCausalLM
+
+    group = resolve_group(None, device_mesh)
+    rank = dist.get_rank() if group is not None else 0
+    if device_mesh is None and group is not None:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        dev = "cuda" if "nccl" in str(dist.get_backend(group)) else "cpu"
+        device_mesh = init_device_mesh(dev, (dist.get_world_size(group),))
+    bcast_device = torch.device(device_mesh.device_type if device_mesh is not None else "cpu")
+    if bcast_device.type == "cuda":
+        bcast_device = torch.device("cuda", torch.cuda.current_device())
+
+    # The reader sends the config with the tensor table; no other rank needs the files.
+    empty = record_state(nn.Module())
+    ckpt, meta = open_source(
+        path,
+        rank,
+        src_rank,
+        group,
+        bcast_device,
+        empty,
+        load_kwargs.pop("read_mode", "auto"),
+        load_kwargs.pop("threads", None),
+        extra=lambda: _read_configs(Path(path)),
+    )
+    config = meta.extra["config"]
+    cls = model_cls or AutoModelForCausalLM
+    param_dtype = dtype or getattr(config, "dtype", None) or torch.float32
+    if isinstance(param_dtype, str):
+        param_dtype = getattr(torch, param_dtype)
+    with init_empty_weights(include_buffers=False):
+        if hasattr(cls, "from_config"):
+            model = cls.from_config(config, dtype=param_dtype)
+        else:
+            model = cls._from_config(config, dtype=param_dtype)
+    if "generation_config" in meta.extra and getattr(model, "generation_config", None) is not None:
+        model.generation_config = meta.extra["generation_config"]
+    if device_mesh is not None:
+        (shard_fn or default_shard_fn)(model, device_mesh)
+    if ckpt is not None and rank == src_rank:
+        # Tie conflicts need the model's tie groups, which exist only now.
+        from .load import _compare_tied
+
+        meta.tie_conflicts = _compare_tied(ckpt, record_state(model))
+    report = load_checkpoint(
+        model,
+        path,
+        src_rank=src_rank,
+        strict=strict,
+        bucket_bytes=bucket_bytes,
+        progress=progress,
+        device_mesh=device_mesh,
+        _source=(ckpt, meta),
+        **load_kwargs,
+    )
+    model.eval()
+    model.streamload_report = report  # type: ignore[assignment]
+    return model

@@ -1,0 +1,63 @@
+"""LoadReport: what a load did, in numbers."""
+
+from __future__ import annotations
+
+import os
+import sys
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+
+@dataclass
+class LoadReport:
+    """Figures of one load, the same on every rank except where noted.
+
+    Attributes:
+        bytes_read: checkpoint bytes the reader copied (reader rank; 0 elsewhere).
+        bytes_sent: bytes sent to ranks other than the reader.
+        payload_bytes: bytes delivered to all ranks (the reader's own included).
+        seconds: wall time of the whole call on this rank.
+        gbps: payload_bytes / seconds / 1e9.
+        buckets: collectives issued.
+        bucket_bytes: configured bucket size.
+        slots: staging slots.
+        peak_staging_bytes: the most bytes the reader's staging ring held.
+        bytes_received: bytes each rank received, by rank.
+        missing_keys / unexpected_keys: as matched (non-empty only with strict=False).
+        tie_groups: [canonical, alias, ...] per group, re-bound on every rank.
+        tie_conflicts: aliases whose checkpoint values differ from the canonical.
+        converted: targets built by fusing/converting checkpoint tensors.
+        unrestored_buffers: non-persistent buffers that could not be recomputed.
+        reader: reader mode and why it was chosen.
+    """
+
+    bytes_read: int = 0
+    bytes_sent: int = 0
+    payload_bytes: int = 0
+    seconds: float = 0.0
+    gbps: float = 0.0
+    buckets: int = 0
+    bucket_bytes: int = 0
+    slots: int = 0
+    peak_staging_bytes: int = 0
+    bytes_received: list[int] = field(default_factory=list)
+    missing_keys: list[str] = field(default_factory=list)
+    unexpected_keys: list[str] = field(default_factory=list)
+    tie_groups: list[list[str]] = field(default_factory=list)
+    tie_conflicts: list[str] = field(default_factory=list)
+    converted: dict[str, str] = field(default_factory=dict)
+    unrestored_buffers: list[str] = field(default_factory=list)
+    reader: str = "src"
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def progress_enabled(progress: bool | None) -> bool:
+    """STREAMLOAD_PROGRESS=0/1 wins; else ``progress``; else only on a TTY."""
+    env = os.environ.get("STREAMLOAD_PROGRESS")
+    if env is not None and env.strip() != "":
+        return env.strip().lower() not in ("0", "false", "no", "off")
+    if progress is not None:
+        return bool(progress)
+    return sys.stderr.isatty()

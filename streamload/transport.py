@@ -1,0 +1,95 @@
+"""Transport: torch.distributed moves each bucket from the reader to the
+owners (NCCL on GPUs, gloo on CPUs). One collective per bucket, never one per
+tensor; receivers get only their own bytes."""
+
+from __future__ import annotations
+
+import pickle
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from .plan import Bucket
+
+
+class Transport:
+    """Scatters packed buckets from ``src`` with ``all_to_all_single``.
+
+    Uneven splits let each rank receive exactly its bytes (no padding to
+    the largest rank), and the same call serves a later mode where several
+    ranks read.
+
+    Args:
+        group: the process group (None: no torch.distributed, one process).
+        src: global rank of the reader.
+        device: where the wire buffers live (cuda for NCCL, cpu for gloo).
+    """
+
+    def __init__(self, group: dist.ProcessGroup | None, src: int, device: torch.device) -> None:
+        self.group = group
+        self.src = src
+        self.device = device
+        self.rank = dist.get_rank(group) if group is not None else 0
+        self.world = dist.get_world_size(group) if group is not None else 1
+        self.group_src = dist.get_group_rank(group, src) if group is not None else 0
+
+    def start(self, bucket: Bucket, send: torch.Tensor | None, recv: torch.Tensor) -> Any:
+        """Starts moving ``bucket``; returns a handle for ``wait``.
+
+        Args:
+            bucket: the plan's bucket (its per-rank byte counts are the splits).
+            send: the packed bytes on the reader (None elsewhere).
+            recv: this rank's receive buffer, exactly its byte count long.
+        """
+        if self.group is None or self.world == 1:
+            if send is not None:
+                recv.copy_(send[: recv.numel()])
+            return None
+        out_splits = [0] * self.world
+        out_splits[self.group_src] = bucket.rank_bytes[self.rank]
+        if self.rank == self.group_src:
+            assert send is not None
+            in_splits = list(bucket.rank_bytes)
+            inp = send[: bucket.total_bytes]
+        else:
+            in_splits = [0] * self.world
+            inp = torch.empty(0, dtype=torch.uint8, device=self.device)
+        return dist.all_to_all_single(recv, inp, out_splits, in_splits, group=self.group, async_op=True)
+
+    @staticmethod
+    def wait(handle: Any) -> None:
+        if handle is not None:
+            handle.wait()
+
+
+def broadcast_object(obj: Any, src: int, group: dist.ProcessGroup | None, device: torch.device) -> Any:
+    """Sends a picklable object from ``src`` to every rank (one collective)."""
+    if group is None or dist.get_world_size(group) == 1:
+        return obj
+    box = [obj if dist.get_rank() == src else None]
+    dist.broadcast_object_list(box, src=src, group=group, device=device)
+    return box[0]
+
+
+def all_gather_object(obj: Any, group: dist.ProcessGroup | None, device: torch.device) -> list[Any]:
+    """Every rank's ``obj``, in group rank order."""
+    if group is None or dist.get_world_size(group) == 1:
+        return [obj]
+    out: list[Any] = [None] * dist.get_world_size(group)
+    if device.type == "cpu":
+        dist.all_gather_object(out, obj, group=group)
+        return out
+    # all_gather_object on NCCL needs the current device set; pickle by hand instead.
+    data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8).to(device)
+    size = torch.tensor([data.numel()], device=device)
+    sizes = [torch.zeros_like(size) for _ in out]
+    dist.all_gather(sizes, size, group=group)
+    longest = int(max(s.item() for s in sizes))
+    padded = torch.zeros(longest, dtype=torch.uint8, device=device)
+    padded[: data.numel()] = data
+    gathered = [torch.empty_like(padded) for _ in out]
+    dist.all_gather(gathered, padded, group=group)
+    return [
+        pickle.loads(g[: int(s.item())].cpu().numpy().tobytes()) for g, s in zip(gathered, sizes, strict=True)
+    ]

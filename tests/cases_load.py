@@ -1,0 +1,242 @@
+"""Cases run inside the rank group (see rank_group.py): each is called on all
+ranks; ranks outside the case's world size return None at once."""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import streamload
+
+_GROUPS: dict[int, Any] = {}
+MISSING_PATH = "/nonexistent/streamload/ckpt"
+
+
+def subgroup(ws: int):
+    """A process group of ranks [0, ws); every rank must call this."""
+    if ws not in _GROUPS:
+        _GROUPS[ws] = dist.new_group(list(range(ws)))
+    return _GROUPS[ws] if dist.get_rank() < ws else None
+
+
+def mesh_for(ws: int):
+    from torch.distributed.device_mesh import DeviceMesh
+
+    g = subgroup(ws)
+    return None if g is None else DeviceMesh.from_group(g, "cpu")
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    t = t.detach().contiguous().reshape(-1)
+    ints = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()]
+    return t.view(ints)
+
+
+def full(t: torch.Tensor) -> torch.Tensor:
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+def compare_model(model: nn.Module, ref: nn.Module) -> list[str]:
+    """Names of parameters or buffers that differ from the reference, bitwise."""
+    bad = []
+    ref_params = dict(ref.named_parameters())
+    for name, p in model.named_parameters():
+        f = full(p)
+        r = ref_params[name]
+        if f.dtype != r.dtype or f.shape != r.shape or not torch.equal(bits(f), bits(r)):
+            bad.append(name)
+    ref_bufs = dict(ref.named_buffers())
+    for name, b in model.named_buffers():
+        r = ref_bufs[name]
+        if b.shape != r.shape or not torch.equal(bits(b.to(r.dtype)), bits(r)):
+            bad.append(f"buffer {name}")
+    return bad
+
+
+def reference(ckpt: str, dtype: torch.dtype | None):
+    from transformers import AutoModelForCausalLM
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return AutoModelForCausalLM.from_pretrained(ckpt, dtype=dtype or "auto")
+
+
+def tied(model: nn.Module) -> bool | None:
+    head = getattr(model, "lm_head", None)
+    emb = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    if head is None or emb is None:
+        return None
+    return head.weight is emb.weight
+
+
+def case_from_pretrained(
+    rank: int,
+    world: int,
+    *,
+    ckpt: str,
+    ws: int,
+    dtype: torch.dtype | None = None,
+    bucket_bytes: int = 4096,
+    hsdp: bool = False,
+) -> dict | None:
+    if hsdp:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("replicate", "shard"))
+    else:
+        mesh = mesh_for(ws)
+        if mesh is None:
+            return None
+    path = ckpt if rank == 0 else MISSING_PATH  # only the reader sees the files
+    model = streamload.from_pretrained(
+        path, device_mesh=mesh, dtype=dtype, bucket_bytes=bucket_bytes, progress=False
+    )
+    ref = reference(ckpt, dtype)
+    bad = compare_model(model, ref)
+    assert not bad, f"differ from transformers: {bad}"
+    assert tied(model) == tied(ref), (tied(model), tied(ref))
+    assert not model.training
+    assert model.config.to_dict() == ref.config.to_dict() or _same_config(model.config, ref.config)
+    assert model.generation_config.to_dict() == ref.generation_config.to_dict()
+    rep = model.streamload_report
+    assert rep.peak_staging_bytes <= rep.slots * rep.bucket_bytes
+    return {"report": rep.to_dict(), "tied": tied(model)}
+
+
+def _same_config(a, b) -> bool:
+    da, db = a.to_dict(), b.to_dict()
+    for d in (da, db):
+        d.pop("dtype", None)
+        d.pop("transformers_version", None)
+    return da == db
+
+
+def case_load_meta_model(rank: int, world: int, *, ckpt: str, ws: int, shard_dim: int = 0) -> dict | None:
+    """A model built entirely on meta (buffers too), sharded on dim ``shard_dim``."""
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import Shard
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    mesh = mesh_for(ws)
+    if mesh is None:
+        return None
+    config = AutoConfig.from_pretrained(ckpt)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=config.dtype)
+
+    def placement(p: nn.Parameter):
+        # FSDP2 shards dims other than 0 only evenly.
+        ok = p.ndim > shard_dim and p.shape[shard_dim] % ws == 0
+        return Shard(shard_dim) if ok else Shard(0)
+
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh, shard_placement_fn=placement)
+    fully_shard(model, mesh=mesh, shard_placement_fn=placement)
+    report = streamload.load_checkpoint(
+        model, ckpt if rank == 0 else MISSING_PATH, device_mesh=mesh, bucket_bytes=1 << 15, progress=False
+    )
+    ref = reference(ckpt, None)
+    bad = compare_model(model, ref)
+    assert not bad, f"differ from transformers: {bad}"
+    assert tied(model) == tied(ref)
+    placements = {p.placements[0] for p in model.parameters()}
+    assert Shard(shard_dim) in placements, placements
+    return report.to_dict()
+
+
+class TinyNet(nn.Module):
+    """Uneven shapes, a 0-d parameter, persistent and non-persistent buffers."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(16, 2)  # 2 rows: at 3 or 4 ranks some ranks hold none
+        self.wide = nn.Linear(5, 7, bias=False)
+        self.gain = nn.Parameter(torch.tensor(0.0))
+        self.register_buffer("scale", torch.zeros(5))
+        self.register_buffer("table", torch.arange(6, dtype=torch.float32) * 0.5, persistent=False)
+
+
+def tiny_state(seed: int = 0) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    net = TinyNet()
+    return {k: torch.randn(v.shape, generator=gen).to(v.dtype) for k, v in net.state_dict().items()}
+
+
+def case_plain_module(rank: int, world: int, *, ckpt: str, ws: int, shard: bool) -> dict | None:
+    from accelerate import init_empty_weights
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = mesh_for(ws)
+    if mesh is None:
+        return None
+    with init_empty_weights(include_buffers=False):
+        net = TinyNet()
+    if shard:
+        # FSDP cannot shard a 0-d parameter: it stays a plain, unmanaged tensor.
+        fully_shard(net, mesh=mesh, ignored_params={net.gain})
+    report = streamload.load_checkpoint(
+        net,
+        ckpt if rank == 0 else MISSING_PATH,
+        device_mesh=mesh,
+        process_group=mesh.get_group(),
+        bucket_bytes=256,
+        progress=False,
+    )
+    want = tiny_state()
+    for name, value in want.items():
+        got = full(net.get_parameter(name) if "." in name or name == "gain" else net.get_buffer(name))
+        if name == "scale":
+            got = net.scale
+        assert torch.equal(bits(got), bits(value)), name
+    assert torch.equal(net.table, torch.arange(6, dtype=torch.float32) * 0.5)
+    assert report.buckets > 1 and report.peak_staging_bytes <= report.slots * 256
+    return report.to_dict()
+
+
+def case_tied_gradient(rank: int, world: int, *, ckpt: str, ws: int) -> dict | None:
+    mesh = mesh_for(ws)
+    if mesh is None:
+        return None
+    model = streamload.from_pretrained(
+        ckpt if rank == 0 else MISSING_PATH, device_mesh=mesh, dtype=torch.float32, progress=False
+    )
+    ids = torch.arange(24).reshape(2, 12) % model.config.vocab_size
+    model.train()
+    model(input_ids=ids, labels=ids).loss.backward()
+    grad = full(model.get_input_embeddings().weight.grad)
+
+    def ref_grad(untie: bool) -> torch.Tensor:
+        ref = reference(ckpt, torch.float32)
+        if untie:  # what a naive meta + to_empty load leaves behind
+            ref.lm_head.weight = nn.Parameter(ref.lm_head.weight.detach().clone())
+        ref.train()
+        ref(input_ids=ids, labels=ids).loss.backward()
+        return ref.get_input_embeddings().weight.grad
+
+    tied_ref, untied_ref = ref_grad(False), ref_grad(True)
+    assert tied(model)
+    assert torch.allclose(grad, tied_ref, rtol=1e-4, atol=1e-6), (grad - tied_ref).abs().max()
+    # The check cannot pass vacuously: an untied model's gradient is far off.
+    assert not torch.allclose(untied_ref, tied_ref, rtol=1e-2, atol=1e-4)
+    return {
+        "max_diff": float((grad - tied_ref).abs().max()),
+        "untied_diff": float((untied_ref - tied_ref).abs().max()),
+    }
+
+
+def case_strict_keys(rank: int, world: int, *, ckpt: str, ws: int, strict: bool) -> dict | None:
+    mesh = mesh_for(ws)
+    if mesh is None:
+        return None
+    try:
+        model = streamload.from_pretrained(
+            ckpt if rank == 0 else MISSING_PATH, device_mesh=mesh, strict=strict, progress=False
+        )
+    except streamload.KeyMismatchError as exc:
+        return {"raised": type(exc).__name__, "missing": exc.missing, "unexpected": exc.unexpected}
+    rep = model.streamload_report
+    return {"raised": None, "missing": rep.missing_keys, "unexpected": rep.unexpected_keys}

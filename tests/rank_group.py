@@ -1,0 +1,100 @@
+"""A small in-repo multi-rank harness: N gloo processes started once, then
+many cases run in them (importing torch and transformers costs seconds per
+process, so a test module pays it once).
+
+A case is a module-level function ``fn(rank, world, **kwargs)`` run on every
+rank at once; its return values come back as a list, its exceptions as a
+CaseError with each failing rank's traceback. A case that does not finish in
+time kills the group, so a hang is a failure, never a stuck test run.
+"""
+
+from __future__ import annotations
+
+import importlib
+import multiprocessing as mp
+import os
+import queue
+import tempfile
+import traceback
+from typing import Any
+
+
+class CaseError(AssertionError):
+    pass
+
+
+def _worker(rank: int, world: int, init_file: str, commands: Any, results: Any) -> None:
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    while True:
+        cmd = commands.get()
+        if cmd is None:
+            break
+        module, name, kwargs = cmd
+        try:
+            fn = getattr(importlib.import_module(module), name)
+            results.put((rank, True, fn(rank, world, **kwargs)))
+        except BaseException as exc:  # noqa: BLE001 - report everything to the parent
+            results.put((rank, False, f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
+    dist.destroy_process_group()
+
+
+class RankGroup:
+    """``world`` spawned gloo ranks that run cases on demand."""
+
+    def __init__(self, world: int) -> None:
+        self.world = world
+        ctx = mp.get_context("spawn")
+        fd, self.init_file = tempfile.mkstemp(prefix="streamload_pg_")
+        os.close(fd)
+        os.unlink(self.init_file)
+        self.commands = [ctx.Queue() for _ in range(world)]
+        self.results = ctx.Queue()
+        self.procs = [
+            ctx.Process(
+                target=_worker, args=(r, world, self.init_file, self.commands[r], self.results), daemon=True
+            )
+            for r in range(world)
+        ]
+        for p in self.procs:
+            p.start()
+
+    def run(self, fn: Any, timeout: float = 180.0, **kwargs: Any) -> list[Any]:
+        """Runs ``fn`` on every rank; returns the per-rank results."""
+        for q in self.commands:
+            q.put((fn.__module__, fn.__name__, kwargs))
+        out: dict[int, Any] = {}
+        errors: dict[int, str] = {}
+        for _ in range(self.world):
+            try:
+                rank, ok, value = self.results.get(timeout=timeout)
+            except queue.Empty:
+                self.close(kill=True)
+                raise CaseError(
+                    f"{fn.__name__}: ranks {sorted(set(range(self.world)) - set(out) - set(errors))} "
+                    f"did not finish within {timeout}s (hang)"
+                ) from None
+            (out if ok else errors)[rank] = value
+        if errors:
+            raise CaseError(
+                f"{fn.__name__} failed on ranks {sorted(errors)}:\n"
+                + "\n".join(f"--- rank {r} ---\n{errors[r]}" for r in sorted(errors))
+            )
+        return [out[r] for r in range(self.world)]
+
+    def close(self, kill: bool = False) -> None:
+        if not kill:
+            for q in self.commands:
+                q.put(None)
+            for p in self.procs:
+                p.join(timeout=30)
+        for p in self.procs:
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=10)
+        if os.path.exists(self.init_file):
+            os.unlink(self.init_file)
