@@ -265,7 +265,7 @@ def load_checkpoint(
 def _lookup(model: nn.Module, name: str) -> torch.Tensor:
     mod_name, _, attr = name.rpartition(".")
     mod = model.get_submodule(mod_name)
-    t = mod._parameters.get(attr)
+    t: torch.Tensor | None = mod._parameters.get(attr)
     if t is None:
         t = mod._buffers[attr]
     assert t is not None

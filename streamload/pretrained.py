@@ -26,9 +26,10 @@ def repeated_blocks(model: nn.Module) -> list[nn.Module]:
             if type(mod).__name__ in names and not any(mod_name.startswith(p + ".") for p, _ in found):
                 found.append((mod_name, mod))
     if not found:
-        lists = [m for m in model.modules() if isinstance(m, nn.ModuleList)]
+        lists: list[nn.ModuleList] = [m for m in model.modules() if isinstance(m, nn.ModuleList)]
         if lists:
-            return list(max(lists, key=len))
+            longest = max(range(len(lists)), key=lambda i: len(lists[i]))
+            return list(lists[longest])
     return [m for _, m in found]
 
 
@@ -113,7 +114,7 @@ def from_pretrained(
         extra=lambda: _read_configs(Path(path)),
     )
     config = meta.extra["config"]
-    cls = model_cls or AutoModelForCausalLM
+    cls: Any = model_cls or AutoModelForCausalLM
     param_dtype = dtype or getattr(config, "dtype", None) or torch.float32
     if isinstance(param_dtype, str):
         param_dtype = getattr(torch, param_dtype)
