@@ -74,8 +74,10 @@ class OpBatch:
         dst_strides: Sequence[int],
         src_offset: int = 0,
         dst_offset: int = 0,
+        dst_nbytes: int | None = None,
     ) -> None:
-        """Adds one op; ``dst`` is a contiguous CPU tensor whose storage bounds the write."""
+        """Adds one op writing into ``dst`` (a CPU tensor); the write is bounded
+        by ``dst_nbytes`` bytes from ``dst.data_ptr()`` (default: its numel)."""
         if len(shape) > _native.MAX_DIMS:
             raise ValueError(f"copy region has {len(shape)} dims; the engine supports {_native.MAX_DIMS}")
         pad = _native.MAX_DIMS - len(shape)
@@ -86,7 +88,7 @@ class OpBatch:
                 src_nbytes,
                 _native.DTYPE_CODES[src_dtype],
                 dst.data_ptr(),
-                dst.numel() * dst.element_size(),
+                dst.numel() * dst.element_size() if dst_nbytes is None else dst_nbytes,
                 _native.DTYPE_CODES[dst_dtype],
                 len(shape),
                 src_offset,

@@ -192,9 +192,18 @@ def load_checkpoint(
     group = resolve_group(process_group, device_mesh)
     rank = dist.get_rank() if group is not None else 0
     device = resolve_device(model, device_mesh, group)
+    phases: dict[str, float] = {}
+    mark = [time.perf_counter()]
+
+    def phase(name: str) -> None:
+        now = time.perf_counter()
+        phases[name] = phases.get(name, 0.0) + now - mark[0]
+        mark[0] = now
+
     state = record_state(model)
     ckpt, meta = _source or open_source(path, rank, src_rank, group, device, state, read_mode, threads)
     table = meta.table
+    phase("open")
 
     shapes = {name: tuple(t.shape) for name, t in state.targets().items()}
     from .convert import converters_for
@@ -212,11 +221,13 @@ def load_checkpoint(
     # Shapes and tilings need no allocation: check them before materialising.
     validate_targets(match.targets, table, [])
 
+    phase("match")
     unrestored: list[str] = []
     if is_meta(model):
         materialize(model, device)
         unrestored = restore_buffers(model, state)
     rebind_ties(model, state.ties)
+    phase("materialize")
     tensors = [_lookup(model, t.name) for t in match.targets]
     mine = [local_placement(t) for t in tensors]
     placements = all_gather_object(mine, group, device)
@@ -229,18 +240,23 @@ def load_checkpoint(
             "the canonical tensor is loaded and the alias ignored (as transformers does)",
             stacklevel=2,
         )
-    packer = Packer(ckpt, plan) if rank == src_rank and ckpt is not None else None
-    peak = _stream(
-        plan, rank, src_rank, group, device, packer, [local_tensor(t) for t in tensors], slots, progress
-    )
+    src_group_rank = dist.get_group_rank(group, src_rank) if group is not None else 0
+    locals_ = [local_tensor(t) for t in tensors]
+    if device.type == "cpu":
+        # The reader's own shards are filled from the files in place.
+        plan.set_direct(src_group_rank)
+    phase("plan")
+    packer = Packer(ckpt, plan, locals_) if rank == src_rank and ckpt is not None else None
+    peak = _stream(plan, rank, src_rank, group, device, packer, locals_, slots, progress)
 
+    phase("stream")
     rebind_ties(model, state.ties)
+    phase("finalize")
     seconds = time.perf_counter() - t0
     received = [0] * plan.world_size
     for b in plan.buckets:
         for r, segs in enumerate(b.segments):
             received[r] += sum(s.nbytes for s in segs)
-    src_group_rank = dist.get_group_rank(group, src_rank) if group is not None else 0
     return LoadReport(
         bytes_read=packer.bytes_read if packer else 0,
         bytes_sent=sum(n for r, n in enumerate(received) if r != src_group_rank),
@@ -259,6 +275,7 @@ def load_checkpoint(
         converted=match.converted,
         unrestored_buffers=unrestored,
         reader="src",
+        phases=phases,
     )
 
 
@@ -290,6 +307,7 @@ def _stream(
     if packer is not None and plan.buckets:
         pin = device.type == "cuda"
         ring = StagingRing(min(slots, len(plan.buckets)), plan.max_bucket_bytes, pin=pin)
+        packer.bytes_read = 0
         if device.type != "cpu":
             dev_send = [
                 torch.empty(plan.max_bucket_bytes, dtype=torch.uint8, device=device) for _ in ring.slots
@@ -322,7 +340,7 @@ def _stream(
                     send = dev_send[k % len(dev_send)][: send.numel()].copy_(send, non_blocking=True)
                 if bar is not None:
                     bar.update(sum(len(s) and sum(x.nbytes for x in s) for s in bucket.segments))
-            recv = recv_ring[k % len(recv_ring)][: bucket.rank_bytes[transport.rank]]
+            recv = recv_ring[k % len(recv_ring)][: bucket.wire_bytes(transport.rank)]
             inflight.append((k, recv, transport.start(bucket, send, recv)))
         while inflight:
             finish()

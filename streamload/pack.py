@@ -1,22 +1,25 @@
 """Pack (reader only): gather every rank's segments of a bucket straight from
 the mapped files into a staging slot, in one native call per bucket. Fusion,
-slicing and narrowing casts happen here."""
+slicing and narrowing casts happen here. The reader's own segments (on CPU)
+go straight from the files into its shards, with the full cast."""
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import torch
 
 from .checkpoint import Checkpoint
-from .copy_ops import ITEMSIZE, OpBatch, contiguous_strides
-from .plan import Bucket, Plan
+from .copy_ops import ITEMSIZE, ST_DTYPES, OpBatch, contiguous_strides
+from .plan import Bucket, Plan, Segment
 from .regions import regions_for_box
 
 
 class StagingRing:
-    """``slots`` reusable byte buffers of at most ``bucket_bytes`` each.
+    """``slots`` reusable byte buffers of ``slot_bytes`` each.
 
     Attributes:
-        peak_bytes: the most bytes ever held by the ring's buffers together.
+        peak_bytes: bytes the ring's buffers hold together (allocated once).
     """
 
     def __init__(self, slots: int, slot_bytes: int, pin: bool = False) -> None:
@@ -28,46 +31,67 @@ class StagingRing:
         return self.slots[k % len(self.slots)]
 
 
-class Packer:
-    """Fills staging slots from a checkpoint according to a plan."""
+def _extent_bytes(t: torch.Tensor) -> int:
+    """Bytes from ``t.data_ptr()`` to the end of its last element."""
+    if t.numel() == 0:
+        return 0
+    last = sum((n - 1) * st for n, st in zip(t.shape, t.stride(), strict=True))
+    return (last + 1) * t.element_size()
 
-    def __init__(self, ckpt: Checkpoint, plan: Plan) -> None:
+
+class Packer:
+    """Fills staging slots (and the reader's own shards) from a checkpoint.
+
+    Args:
+        ckpt: the opened checkpoint.
+        plan: the plan every rank computed.
+        locals_: this rank's local shard per target, for direct segments.
+    """
+
+    def __init__(self, ckpt: Checkpoint, plan: Plan, locals_: Sequence[torch.Tensor] | None = None) -> None:
         self.ckpt = ckpt
         self.plan = plan
+        self.locals = list(locals_ or [])
         self.bytes_read = 0
 
-    def pack(self, bucket: Bucket, slot: torch.Tensor) -> torch.Tensor:
-        """Packs ``bucket`` into ``slot``; returns the filled prefix."""
-        if bucket.total_bytes > slot.numel():
-            raise ValueError(
-                f"bucket of {bucket.total_bytes} bytes exceeds the {slot.numel()}-byte staging slot"
+    def _add_segment(self, batch: OpBatch, seg: Segment, dst: torch.Tensor, dst_dtype: str,
+                     dst_strides: list[int], first: int, dst_nbytes: int | None = None) -> None:
+        target = self.plan.targets[seg.target]
+        for reg in regions_for_box(target.pieces, seg.box):
+            info = self.ckpt.info(reg.key)
+            src_strides_full = contiguous_strides(info.shape)
+            batch.add(
+                file=info.file_index,
+                src=info.begin,
+                src_nbytes=info.nbytes,
+                src_dtype=info.dtype,
+                dst=dst,
+                dst_dtype=dst_dtype,
+                dst_nbytes=dst_nbytes,
+                shape=reg.shape,
+                src_strides=[0 if d is None else src_strides_full[d] for d in reg.dims],
+                dst_strides=dst_strides,
+                src_offset=sum(s * st for s, st in zip(reg.src_start, src_strides_full, strict=True)),
+                dst_offset=first + sum(b * st for b, st in zip(reg.box_start, dst_strides, strict=True)),
             )
+
+    def pack(self, bucket: Bucket, slot: torch.Tensor) -> torch.Tensor:
+        """Packs ``bucket`` into ``slot``; returns the filled prefix (the wire bytes)."""
+        if bucket.wire_total > slot.numel():
+            raise ValueError(f"bucket of {bucket.wire_total} bytes exceeds the {slot.numel()}-byte staging slot")
         batch = OpBatch()
         for rank, segs in enumerate(bucket.segments):
-            base = bucket.rank_base(rank)
+            if rank == bucket.direct_rank:
+                for seg in segs:
+                    local = self.locals[seg.target]
+                    strides = list(local.stride())
+                    first = sum(s * st for s, st in zip(seg.local_start, strides, strict=True))
+                    self._add_segment(batch, seg, local, ST_DTYPES[local.dtype], strides, first, _extent_bytes(local))
+                continue
+            base = bucket.wire_base(rank)
             for seg in segs:
-                target = self.plan.targets[seg.target]
                 isz = ITEMSIZE[seg.wire_dtype]
-                seg_shape = [hi - lo for lo, hi in seg.box]
-                seg_strides = contiguous_strides(seg_shape)
-                first = (base + seg.offset) // isz
-                for reg in regions_for_box(target.pieces, seg.box):
-                    info = self.ckpt.info(reg.key)
-                    src_strides_full = contiguous_strides(info.shape)
-                    src_strides = [0 if d is None else src_strides_full[d] for d in reg.dims]
-                    batch.add(
-                        file=info.file_index,
-                        src=info.begin,
-                        src_nbytes=info.nbytes,
-                        src_dtype=info.dtype,
-                        dst=slot,
-                        dst_dtype=seg.wire_dtype,
-                        shape=reg.shape,
-                        src_strides=src_strides,
-                        dst_strides=seg_strides,
-                        src_offset=sum(s * st for s, st in zip(reg.src_start, src_strides_full, strict=True)),
-                        dst_offset=first
-                        + sum(b * st for b, st in zip(reg.box_start, seg_strides, strict=True)),
-                    )
+                seg_strides = contiguous_strides([hi - lo for lo, hi in seg.box])
+                self._add_segment(batch, seg, slot, seg.wire_dtype, seg_strides, (base + seg.offset) // isz)
         self.bytes_read += batch.execute(self.ckpt.engine, self.ckpt.files)
-        return slot[: bucket.total_bytes]
+        return slot[: bucket.wire_total]

@@ -69,18 +69,32 @@ class Segment:
 
 @dataclass
 class Bucket:
-    """One collective's worth: per rank, its segments and byte count."""
+    """One collective's worth: per rank, its segments and byte count.
+
+    ``direct_rank`` is the rank (the reader, on CPU) whose segments are
+    copied from the files straight into its shards: they never touch the
+    staging ring or the wire.
+    """
 
     segments: list[list[Segment]]
     rank_bytes: list[int]
+    direct_rank: int | None = None
 
     @property
     def total_bytes(self) -> int:
         return sum(self.rank_bytes)
 
-    def rank_base(self, rank: int) -> int:
+    def wire_bytes(self, rank: int) -> int:
+        """Bytes ``rank`` receives through the transport for this bucket."""
+        return 0 if rank == self.direct_rank else self.rank_bytes[rank]
+
+    @property
+    def wire_total(self) -> int:
+        return sum(self.wire_bytes(r) for r in range(len(self.rank_bytes)))
+
+    def wire_base(self, rank: int) -> int:
         """Byte offset of ``rank``'s part in the packed (sender) buffer."""
-        return sum(self.rank_bytes[:rank])
+        return sum(self.wire_bytes(r) for r in range(rank))
 
 
 @dataclass
@@ -93,11 +107,16 @@ class Plan:
     rank_bytes: list[int] = field(default_factory=list)  # bytes each rank receives in total
 
     def max_rank_bucket_bytes(self, rank: int) -> int:
-        return max((b.rank_bytes[rank] for b in self.buckets), default=0)
+        return max((b.wire_bytes(rank) for b in self.buckets), default=0)
 
     @property
     def max_bucket_bytes(self) -> int:
-        return max((b.total_bytes for b in self.buckets), default=0)
+        return max((b.wire_total for b in self.buckets), default=0)
+
+    def set_direct(self, rank: int | None) -> None:
+        """Marks ``rank``'s segments as filled in place (see Bucket)."""
+        for b in self.buckets:
+            b.direct_rank = rank
 
 
 def wire_dtype(source_dtypes: Sequence[str], dst: str) -> str:

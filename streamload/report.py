@@ -29,6 +29,7 @@ class LoadReport:
         converted: targets built by fusing/converting checkpoint tensors.
         unrestored_buffers: non-persistent buffers that could not be recomputed.
         reader: reader mode and why it was chosen.
+        phases: seconds spent in open, match, materialize, plan, stream, finalize.
     """
 
     bytes_read: int = 0
@@ -48,6 +49,7 @@ class LoadReport:
     converted: dict[str, str] = field(default_factory=dict)
     unrestored_buffers: list[str] = field(default_factory=list)
     reader: str = "src"
+    phases: dict[str, float] = field(default_factory=dict)  # seconds per stage on this rank
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

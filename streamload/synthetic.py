@@ -73,10 +73,26 @@ def make_config(model_type: str, *, layers: int = 2, vocab: int = 128, tie: bool
 @torch.no_grad()
 def randomize_(model: torch.nn.Module, seed: int = 0) -> torch.nn.Module:
     """Gives every parameter distinct random values (norms start as ones, so a
-    mis-mapped tensor could otherwise compare equal by accident)."""
+    mis-mapped tensor could otherwise compare equal by accident). Parameters
+    on meta are replaced by real ones; shared (tied) parameters stay shared."""
     gen = torch.Generator().manual_seed(seed)
-    for _name, p in model.named_parameters():
-        p.copy_((torch.randn(p.shape, generator=gen) * 0.05 + 0.01).to(p.dtype))
+    fresh: dict[int, torch.nn.Parameter] = {}
+    for module in model.modules():
+        for name, p in list(module._parameters.items()):
+            if p is None:
+                continue
+            if id(p) not in fresh:
+                value = (torch.randn(p.shape, generator=gen) * 0.05 + 0.01).to(p.dtype)
+                if p.is_meta:
+                    fresh[id(p)] = torch.nn.Parameter(value, requires_grad=p.requires_grad)
+                else:
+                    p.copy_(value)
+                    fresh[id(p)] = p
+            module._parameters[name] = fresh[id(p)]
+    # accelerate's init_empty_weights re-registers tied parameters as separate
+    # meta tensors; re-tie as transformers would.
+    if hasattr(model, "tie_weights"):
+        model.tie_weights()
     return model
 
 
@@ -105,11 +121,51 @@ def make_checkpoint(
     """
     from transformers import AutoModelForCausalLM
 
+    from accelerate import init_empty_weights
+
     cfg = config if config is not None else make_config(model_type, **config_kw)
     cfg.dtype = dtype
-    model = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
+    # Parameters start on meta (no init cost); buffers are built for real.
+    with init_empty_weights(include_buffers=False):
+        model = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
     randomize_(model, seed)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out, max_shard_size=max_shard_size)
     return out
+
+
+def sized_config(model_type: str, gb: float, *, tie: bool, dtype_bytes: int = 2, **overrides: Any):
+    """A config whose checkpoint is about ``gb`` GB: the layer count is solved for."""
+    big = dict(vocab=32000, hidden_size=2048, intermediate_size=5632, num_attention_heads=16, num_key_value_heads=4)
+    if model_type in ("qwen3_moe", "qwen2_moe", "olmoe", "mixtral"):
+        big = dict(vocab=8192, hidden_size=1024, num_attention_heads=8, num_key_value_heads=4)
+        experts_key = "num_local_experts" if model_type == "mixtral" else "num_experts"
+        big[experts_key] = overrides.pop("experts", 64)
+        big["num_experts_per_tok"] = 4
+        inter = overrides.pop("expert_intermediate", None)
+        if model_type in ("qwen3_moe", "qwen2_moe"):
+            big["moe_intermediate_size"] = inter or 256
+            big["intermediate_size"] = 2048
+            if model_type == "qwen3_moe":
+                big["head_dim"] = 128
+            if model_type == "qwen2_moe":
+                big["shared_expert_intermediate_size"] = 1024
+        else:
+            big["intermediate_size"] = inter or 256
+    big.update(overrides)
+    one = make_config(model_type, layers=1, tie=tie, **big)
+    two = make_config(model_type, layers=2, tie=tie, **big)
+    per_layer = _param_count(two) - _param_count(one)
+    fixed = _param_count(one) - per_layer
+    layers = max(1, round((gb * 1e9 / dtype_bytes - fixed) / per_layer))
+    return make_config(model_type, layers=layers, tie=tie, **big)
+
+
+def _param_count(cfg: Any) -> int:
+    from accelerate import init_empty_weights
+    from transformers import AutoModelForCausalLM
+
+    with init_empty_weights():
+        m = AutoModelForCausalLM.from_config(cfg)
+    return sum(p.numel() for p in m.parameters())

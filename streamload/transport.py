@@ -47,11 +47,11 @@ class Transport:
                 recv.copy_(send[: recv.numel()])
             return None
         out_splits = [0] * self.world
-        out_splits[self.group_src] = bucket.rank_bytes[self.rank]
+        out_splits[self.group_src] = bucket.wire_bytes(self.rank)
         if self.rank == self.group_src:
             assert send is not None
-            in_splits = list(bucket.rank_bytes)
-            inp = send[: bucket.total_bytes]
+            in_splits = [bucket.wire_bytes(r) for r in range(self.world)]
+            inp = send[: bucket.wire_total]
         else:
             in_splits = [0] * self.world
             inp = torch.empty(0, dtype=torch.uint8, device=self.device)

@@ -24,6 +24,8 @@ def unpack(bucket: Bucket, rank: int, recv: torch.Tensor, locals_: list[torch.Te
         Bytes unpacked.
     """
     total = 0
+    if rank == bucket.direct_rank:
+        return 0  # filled in place by the packer
     for seg in bucket.segments[rank]:
         shape = [hi - lo for lo, hi in seg.box]
         wire = recv[seg.offset : seg.offset + seg.nbytes].view(TORCH_DTYPES[seg.wire_dtype]).view(shape)

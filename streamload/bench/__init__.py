@@ -1,0 +1,1 @@
+"""Side-by-side benchmarks: streamload against the existing ways of loading."""

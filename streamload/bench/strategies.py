@@ -1,0 +1,123 @@
+"""Loading strategies, each run on every rank of a fresh process group.
+
+Each takes (ckpt, mesh, dtype, options) and returns the loaded, sharded model.
+They reproduce the call sequences frameworks use today, with plain torch and
+transformers."""
+
+from __future__ import annotations
+
+import os
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+
+def _quiet_from_pretrained(ckpt: str, dtype: torch.dtype, **kw: Any) -> nn.Module:
+    from transformers import AutoModelForCausalLM
+    from transformers.utils import logging
+
+    logging.set_verbosity_error()
+    logging.disable_progress_bar()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return AutoModelForCausalLM.from_pretrained(ckpt, dtype=dtype, **kw)
+
+
+def _meta_model(ckpt: str, dtype: torch.dtype) -> nn.Module:
+    from accelerate import init_empty_weights
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(ckpt)
+    with init_empty_weights(include_buffers=False):
+        return AutoModelForCausalLM.from_config(config, dtype=dtype)
+
+
+def load_streamload(ckpt: str, mesh: Any, dtype: torch.dtype, opts: dict[str, Any]) -> nn.Module:
+    import streamload
+
+    kw = {k: opts[k] for k in ("bucket_bytes",) if k in opts}
+    path = ckpt if dist.get_rank() == 0 else "/nonexistent"  # only the reader needs the files
+    return streamload.from_pretrained(path, device_mesh=mesh, dtype=dtype, progress=False, **kw)
+
+
+def load_rank0_broadcast(ckpt: str, mesh: Any, dtype: torch.dtype, opts: dict[str, Any]) -> nn.Module:
+    """verl's way: rank 0 from_pretrained, others meta, fully_shard,
+    set_model_state_dict(broadcast_from_rank0=True), buffers broadcast, tie_weights."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    from streamload.pretrained import default_shard_fn
+
+    if dist.get_rank() == 0:
+        model = _quiet_from_pretrained(ckpt, dtype)
+        full_state = model.state_dict()
+    else:
+        model = _meta_model(ckpt, dtype)
+        full_state = {}
+    default_shard_fn(model, mesh)
+    if dist.get_rank() != 0:
+        model.to_empty(device=mesh.device_type)
+    set_model_state_dict(model, full_state, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+    del full_state
+    for buf in model.buffers():
+        dist.broadcast(buf, src=0)
+    if hasattr(model, "tie_weights"):
+        model.tie_weights()
+    return model
+
+
+def load_all_ranks(ckpt: str, mesh: Any, dtype: torch.dtype, opts: dict[str, Any]) -> nn.Module:
+    """verl's way for tied models: every rank from_pretrained, then fully_shard."""
+    from streamload.pretrained import default_shard_fn
+
+    model = _quiet_from_pretrained(ckpt, dtype)
+    default_shard_fn(model, mesh)
+    return model
+
+
+def load_accelerate_efficient(ckpt: str, mesh: Any, dtype: torch.dtype, opts: dict[str, Any]) -> nn.Module:
+    """from_pretrained under accelerate's FSDP cpu_ram_efficient_loading flags."""
+    from streamload.pretrained import default_shard_fn
+
+    os.environ["ACCELERATE_USE_FSDP"] = "true"
+    os.environ["FSDP_CPU_RAM_EFFICIENT_LOADING"] = "true"
+    try:
+        model = _quiet_from_pretrained(ckpt, dtype)
+    finally:
+        os.environ.pop("ACCELERATE_USE_FSDP", None)
+        os.environ.pop("FSDP_CPU_RAM_EFFICIENT_LOADING", None)
+    default_shard_fn(model, mesh)
+    return model
+
+
+def load_dcp_hf(ckpt: str, mesh: Any, dtype: torch.dtype, opts: dict[str, Any]) -> nn.Module:
+    """meta, fully_shard, to_empty, torch.distributed.checkpoint.load with HuggingFaceStorageReader."""
+    import torch.distributed.checkpoint as dcp
+
+    from streamload.pretrained import default_shard_fn
+
+    model = _meta_model(ckpt, dtype)
+    buffers = {n: b.detach().clone() for n, b in model.named_buffers()}
+    default_shard_fn(model, mesh)
+    model.to_empty(device=mesh.device_type)
+    with torch.no_grad():
+        for n, b in model.named_buffers():
+            b.copy_(buffers[n])
+    state = {k: v for k, v in model.state_dict().items() if not k.endswith("lm_head.weight") or
+             not getattr(model.config, "tie_word_embeddings", False)}
+    dcp.load(state, storage_reader=dcp.HuggingFaceStorageReader(ckpt))
+    if hasattr(model, "tie_weights"):
+        model.tie_weights()
+    return model
+
+
+STRATEGIES: dict[str, Callable[[str, Any, torch.dtype, dict[str, Any]], nn.Module]] = {
+    "streamload": load_streamload,
+    "rank0_broadcast": load_rank0_broadcast,
+    "all_ranks": load_all_ranks,
+    "accelerate_efficient": load_accelerate_efficient,
+    "dcp_hf": load_dcp_hf,
+}
