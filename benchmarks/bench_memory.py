@@ -25,7 +25,9 @@ MiB = 1 << 20
 def ensure_checkpoint(root: Path, gb: float, model_type: str = "qwen2", **kw) -> str:
     path = root / f"{model_type}_{gb:g}gb"
     if not (path / "config.json").exists():
-        make_checkpoint(path, model_type, config=sized_config(model_type, gb, tie=True, **kw), max_shard_size="1GB")
+        make_checkpoint(
+            path, model_type, config=sized_config(model_type, gb, tie=True, **kw), max_shard_size="1GB"
+        )
     return str(path)
 
 
@@ -56,8 +58,11 @@ def main() -> None:
                     jf.write(json.dumps(d) + "\n")
                     rows.append(d)
                     status = "ok" if r.ok else f"FAILED: {r.error}"
-                    print(f"{gb:g} GB ws={ws} {strategy}: {r.seconds:.2f}s overhead {r.overhead_bytes / MiB:.0f} MiB "
-                          f"correct={r.correct} tie={r.tie_held} {status}", flush=True)
+                    print(
+                        f"{gb:g} GB ws={ws} {strategy}: {r.seconds:.2f}s overhead {r.overhead_bytes / MiB:.0f} MiB "
+                        f"correct={r.correct} tie={r.tie_held} {status}",
+                        flush=True,
+                    )
     lines = [
         f"bucket_bytes = {args.bucket_mib} MiB; overhead bound 4 x bucket + 512 MiB = {bound / MiB:.0f} MiB",
         "",
@@ -66,14 +71,24 @@ def main() -> None:
         "|---|---|---|---|---|---|---|---|---|",
     ]
     for d in rows:
-        base = next((x for x in rows if x["size_gb"] == d["size_gb"] and x["world"] == d["world"]
-                     and x["strategy"] == "rank0_broadcast" and x["ok"]), None)
+        base = next(
+            (
+                x
+                for x in rows
+                if x["size_gb"] == d["size_gb"]
+                and x["world"] == d["world"]
+                and x["strategy"] == "rank0_broadcast"
+                and x["ok"]
+            ),
+            None,
+        )
         ratio = f"{d['seconds'] / base['seconds']:.2f}x" if base and d["ok"] else "-"
         lines.append(
             f"| {d['size_gb']:g} GB | {d['world']} | {d['strategy']} | "
             f"{d['seconds']:.2f} | {d['peak_anon_over_baseline'] / MiB:.0f} MiB | {d['overhead_bytes'] / MiB:.0f} MiB | "
-            f"{ratio} | {d['correct']} | {d['tie_held']} |" if d["ok"] else
-            f"| {d['size_gb']:g} GB | {d['world']} | {d['strategy']} | failed: {d['error']} | | | | | |"
+            f"{ratio} | {d['correct']} | {d['tie_held']} |"
+            if d["ok"]
+            else f"| {d['size_gb']:g} GB | {d['world']} | {d['strategy']} | failed: {d['error']} | | | | | |"
         )
     table = "\n".join(lines)
     print(table)

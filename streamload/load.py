@@ -14,6 +14,7 @@ import torch.distributed as dist
 from torch import nn
 
 from .checkpoint import Checkpoint
+from .convert import FallbackSources, plan_conversions
 from .errors import KeyMismatchError, StreamloadError
 from .mapping import Table, match_keys
 from .model_state import (
@@ -206,9 +207,9 @@ def load_checkpoint(
     phase("open")
 
     shapes = {name: tuple(t.shape) for name, t in state.targets().items()}
-    from .convert import converters_for
-
-    match = match_keys(state, shapes, table, *ignore_patterns(model), converters_for(model))
+    conversion = plan_conversions(model, table, shapes)
+    table = {**table, **conversion.virtual_table}
+    match = match_keys(state, shapes, table, *ignore_patterns(model), conversion)
     if strict and (match.missing or match.unexpected):
         raise KeyMismatchError(
             f"{len(match.missing)} missing keys {match.missing[:20]}, "
@@ -246,7 +247,9 @@ def load_checkpoint(
         # The reader's own shards are filled from the files in place.
         plan.set_direct(src_group_rank)
     phase("plan")
-    packer = Packer(ckpt, plan, locals_) if rank == src_rank and ckpt is not None else None
+    packer = None
+    if rank == src_rank and ckpt is not None:
+        packer = Packer(ckpt, plan, locals_, FallbackSources(conversion, ckpt, model))
     peak = _stream(plan, rank, src_rank, group, device, packer, locals_, slots, progress)
 
     phase("stream")
@@ -313,10 +316,10 @@ def _stream(
                 torch.empty(plan.max_bucket_bytes, dtype=torch.uint8, device=device) for _ in ring.slots
             ]
     recv_len = plan.max_rank_bucket_bytes(transport.rank)
-    recv_ring = [
-        torch.empty(recv_len, dtype=torch.uint8, device=device)
-        for _ in range(min(slots, max(1, len(plan.buckets))))
-    ]
+    # Receivers hold one receive buffer (the memory contract); the reader keeps
+    # `slots` buckets in flight so packing k+1 overlaps the transport of k.
+    depth = max(1, min(slots, len(plan.buckets))) if packer is not None else 1
+    recv_ring = [torch.empty(recv_len, dtype=torch.uint8, device=device) for _ in range(depth if recv_len else 1)]
     bar = None
     if packer is not None and progress_enabled(progress):
         from tqdm.auto import tqdm
@@ -331,7 +334,7 @@ def _stream(
 
     try:
         for k, bucket in enumerate(plan.buckets):
-            if len(inflight) == len(recv_ring):
+            if len(inflight) == depth:
                 finish()
             send = None
             if packer is not None and ring is not None:

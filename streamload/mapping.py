@@ -4,17 +4,15 @@ and which keys are missing or unexpected."""
 from __future__ import annotations
 
 import re
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from .convert import Conversion
 from .model_state import ModelState
 from .plan import Target
 from .regions import SourcePiece, identity_piece
 
 # key -> (dtype, shape, file)
 Table = dict[str, tuple[str, tuple[int, ...], str]]
-# A converter builds pieces for a model name from the table, or returns None.
-Converter = Callable[[str, tuple[int, ...], Table], "tuple[SourcePiece, ...] | None"]
 
 
 @dataclass
@@ -36,7 +34,7 @@ def match_keys(
     table: Table,
     ignore_missing: re.Pattern[str] | None = None,
     ignore_unexpected: re.Pattern[str] | None = None,
-    converters: list[tuple[str, Converter]] | None = None,
+    conversion: Conversion | None = None,
 ) -> KeyMatch:
     """Builds the targets and the key report.
 
@@ -45,8 +43,8 @@ def match_keys(
         shapes: global shape of every target name.
         table: the checkpoint's tensor table.
         ignore_missing / ignore_unexpected: transformers' ignore regexes.
-        converters: (description, function) pairs tried for names not in the
-            checkpoint as they are (e.g. fused MoE experts).
+        conversion: renamed and converted targets (e.g. fused MoE experts),
+            used for names not in the checkpoint as they are.
 
     Returns:
         The targets in model order, plus missing and unexpected keys.
@@ -63,17 +61,16 @@ def match_keys(
         pieces: tuple[SourcePiece, ...] | None = None
         if key is not None:
             pieces = (identity_piece(key, table[key][1]),)
-        else:
-            for desc, conv in converters or []:
-                pieces = conv(name, shape, table)
-                if pieces is not None:
-                    converted[name] = desc
-                    break
+        elif conversion is not None and name in conversion.pieces:
+            pieces = conversion.pieces[name]
+            converted[name] = conversion.described.get(name, "converted")
         if pieces is None:
             if ignore_missing is None or ignore_missing.search(name) is None:
                 missing.append(name)
             continue
         used.update(p.key for p in pieces)
+        if conversion is not None:
+            used.update(conversion.sources.get(name, ()))
         for alias in aliases_of.get(name, []):
             if alias in table and alias != key:
                 used.add(alias)

@@ -6,6 +6,7 @@ go straight from the files into its shards, with the full cast."""
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -48,23 +49,53 @@ class Packer:
         locals_: this rank's local shard per target, for direct segments.
     """
 
-    def __init__(self, ckpt: Checkpoint, plan: Plan, locals_: Sequence[torch.Tensor] | None = None) -> None:
+    def __init__(
+        self, ckpt: Checkpoint, plan: Plan, locals_: Sequence[torch.Tensor] | None = None, virtual: Any = None
+    ) -> None:
         self.ckpt = ckpt
         self.plan = plan
         self.locals = list(locals_ or [])
+        self.virtual = virtual  # FallbackSources: tensors built on the reader by transformers' ops
         self.bytes_read = 0
+        self._keep: list[torch.Tensor] = []  # virtual tensors referenced by the pending batch
 
-    def _add_segment(self, batch: OpBatch, seg: Segment, dst: torch.Tensor, dst_dtype: str,
-                     dst_strides: list[int], first: int, dst_nbytes: int | None = None) -> None:
+    def _add_segment(
+        self,
+        batch: OpBatch,
+        seg: Segment,
+        dst: torch.Tensor,
+        dst_dtype: str,
+        dst_strides: list[int],
+        first: int,
+        dst_nbytes: int | None = None,
+    ) -> None:
         target = self.plan.targets[seg.target]
         for reg in regions_for_box(target.pieces, seg.box):
-            info = self.ckpt.info(reg.key)
-            src_strides_full = contiguous_strides(info.shape)
+            if self.virtual is not None and reg.key in self.virtual:
+                t = self.virtual.tensor(reg.key)
+                self._keep.append(t)
+                file, src, nbytes, dtype, shape = (
+                    -1,
+                    t.data_ptr(),
+                    t.numel() * t.element_size(),
+                    ST_DTYPES[t.dtype],
+                    t.shape,
+                )
+            else:
+                info = self.ckpt.info(reg.key)
+                file, src, nbytes, dtype, shape = (
+                    info.file_index,
+                    info.begin,
+                    info.nbytes,
+                    info.dtype,
+                    info.shape,
+                )
+            src_strides_full = contiguous_strides(shape)
             batch.add(
-                file=info.file_index,
-                src=info.begin,
-                src_nbytes=info.nbytes,
-                src_dtype=info.dtype,
+                file=file,
+                src=src,
+                src_nbytes=nbytes,
+                src_dtype=dtype,
                 dst=dst,
                 dst_dtype=dst_dtype,
                 dst_nbytes=dst_nbytes,
@@ -78,7 +109,9 @@ class Packer:
     def pack(self, bucket: Bucket, slot: torch.Tensor) -> torch.Tensor:
         """Packs ``bucket`` into ``slot``; returns the filled prefix (the wire bytes)."""
         if bucket.wire_total > slot.numel():
-            raise ValueError(f"bucket of {bucket.wire_total} bytes exceeds the {slot.numel()}-byte staging slot")
+            raise ValueError(
+                f"bucket of {bucket.wire_total} bytes exceeds the {slot.numel()}-byte staging slot"
+            )
         batch = OpBatch()
         for rank, segs in enumerate(bucket.segments):
             if rank == bucket.direct_rank:
@@ -86,12 +119,17 @@ class Packer:
                     local = self.locals[seg.target]
                     strides = list(local.stride())
                     first = sum(s * st for s, st in zip(seg.local_start, strides, strict=True))
-                    self._add_segment(batch, seg, local, ST_DTYPES[local.dtype], strides, first, _extent_bytes(local))
+                    self._add_segment(
+                        batch, seg, local, ST_DTYPES[local.dtype], strides, first, _extent_bytes(local)
+                    )
                 continue
             base = bucket.wire_base(rank)
             for seg in segs:
                 isz = ITEMSIZE[seg.wire_dtype]
                 seg_strides = contiguous_strides([hi - lo for lo, hi in seg.box])
                 self._add_segment(batch, seg, slot, seg.wire_dtype, seg_strides, (base + seg.offset) // isz)
-        self.bytes_read += batch.execute(self.ckpt.engine, self.ckpt.files)
+        try:
+            self.bytes_read += batch.execute(self.ckpt.engine, self.ckpt.files)
+        finally:
+            self._keep.clear()
         return slot[: bucket.wire_total]

@@ -4,6 +4,7 @@ tests and benchmarks (nothing is downloaded)."""
 from __future__ import annotations
 
 import os
+import typing
 from pathlib import Path
 from typing import Any
 
@@ -92,7 +93,7 @@ def randomize_(model: torch.nn.Module, seed: int = 0) -> torch.nn.Module:
     # accelerate's init_empty_weights re-registers tied parameters as separate
     # meta tensors; re-tie as transformers would.
     if hasattr(model, "tie_weights"):
-        model.tie_weights()
+        typing.cast(typing.Any, model).tie_weights()
     return model
 
 
@@ -119,9 +120,8 @@ def make_checkpoint(
     Returns:
         The checkpoint directory.
     """
-    from transformers import AutoModelForCausalLM
-
     from accelerate import init_empty_weights
+    from transformers import AutoModelForCausalLM
 
     cfg = config if config is not None else make_config(model_type, **config_kw)
     cfg.dtype = dtype
@@ -137,7 +137,9 @@ def make_checkpoint(
 
 def sized_config(model_type: str, gb: float, *, tie: bool, dtype_bytes: int = 2, **overrides: Any):
     """A config whose checkpoint is about ``gb`` GB: the layer count is solved for."""
-    big = dict(vocab=32000, hidden_size=2048, intermediate_size=5632, num_attention_heads=16, num_key_value_heads=4)
+    big = dict(
+        vocab=32000, hidden_size=2048, intermediate_size=5632, num_attention_heads=16, num_key_value_heads=4
+    )
     if model_type in ("qwen3_moe", "qwen2_moe", "olmoe", "mixtral"):
         big = dict(vocab=8192, hidden_size=1024, num_attention_heads=8, num_key_value_heads=4)
         experts_key = "num_local_experts" if model_type == "mixtral" else "num_experts"

@@ -17,10 +17,17 @@ def _cells(box):
     return set(itertools.product(*[range(lo, hi) for lo, hi in box]))
 
 
-@pytest.mark.parametrize("box,itemsize,limit", [
-    (((0, 10), (0, 7)), 2, 30), (((3, 9), (2, 5), (0, 4)), 4, 40), (((0, 1), (0, 100)), 2, 16),
-    (((0, 5),), 8, 8), ((), 4, 64), (((0, 64), (0, 64)), 2, 1 << 20),
-])
+@pytest.mark.parametrize(
+    "box,itemsize,limit",
+    [
+        (((0, 10), (0, 7)), 2, 30),
+        (((3, 9), (2, 5), (0, 4)), 4, 40),
+        (((0, 1), (0, 100)), 2, 16),
+        (((0, 5),), 8, 8),
+        ((), 4, 64),
+        (((0, 64), (0, 64)), 2, 1 << 20),
+    ],
+)
 def test_split_box_tiles_within_limit(box, itemsize, limit) -> None:
     parts = split_box(box, itemsize, limit)
     assert all(box_numel(p) * itemsize <= max(limit, itemsize) for p in parts)
@@ -41,7 +48,9 @@ def test_build_plan_buckets_and_ownership() -> None:
     shapes = {"a": (10, 6), "b": (3,), "c": (1, 40), "d": ()}
     targets = [Target(k, s, (identity_piece(k, s),)) for k, s in shapes.items()]
     ws, bucket = 4, 128
-    placements = [[Placement(_shard0(s, ws, r) if s else (), "F32") for s in shapes.values()] for r in range(ws)]
+    placements = [
+        [Placement(_shard0(s, ws, r) if s else (), "F32") for s in shapes.values()] for r in range(ws)
+    ]
     plan = build_plan(targets, {k: "BF16" for k in shapes}, placements, bucket)
     assert all(b.total_bytes <= bucket for b in plan.buckets)
     assert len(plan.buckets) > 1

@@ -102,13 +102,28 @@ def _verify(model: Any, ckpt: str, dtype: torch.dtype, rank: int) -> list[str]:
         full = t.full_tensor() if hasattr(t, "full_tensor") else t
         if rank == 0:
             r = ref_state.get(name)
-            if r is None or r.shape != full.shape or r.dtype != full.dtype or not torch.equal(_bits(r), _bits(full)):
+            if (
+                r is None
+                or r.shape != full.shape
+                or r.dtype != full.dtype
+                or not torch.equal(_bits(r), _bits(full))
+            ):
                 bad.append(name)
     return bad
 
 
-def _worker(rank: int, world: int, init_file: str, strategy: str, ckpt: str, dtype_name: str,
-            opts: dict[str, Any], ready: Any, go: Any, results: Any) -> None:
+def _worker(
+    rank: int,
+    world: int,
+    init_file: str,
+    strategy: str,
+    ckpt: str,
+    dtype_name: str,
+    opts: dict[str, Any],
+    ready: Any,
+    go: Any,
+    results: Any,
+) -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
@@ -135,7 +150,8 @@ def _worker(rank: int, world: int, init_file: str, strategy: str, ckpt: str, dty
         out["peak_rss"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
         out["tie_held"] = _tie_held(model)
         shard = sum(
-            (p.to_local() if hasattr(p, "to_local") else p).numel() * p.element_size() for p in model.parameters()
+            (p.to_local() if hasattr(p, "to_local") else p).numel() * p.element_size()
+            for p in model.parameters()
         )
         out["shard_bytes"] = shard
         out["bytes_moved"] = getattr(getattr(model, "streamload_report", None), "payload_bytes", 0)
@@ -145,8 +161,12 @@ def _worker(rank: int, world: int, init_file: str, strategy: str, ckpt: str, dty
             bad = _verify(model, ckpt, dtype, rank)
             results.put(("verified", {"rank": rank, "mismatched": bad}))
     except BaseException as exc:  # noqa: BLE001 - a failing strategy is a result, not a crash
-        results.put(("error", {"rank": rank, "error": f"{type(exc).__name__}: {exc}",
-                               "trace": traceback.format_exc()}))
+        results.put(
+            (
+                "error",
+                {"rank": rank, "error": f"{type(exc).__name__}: {exc}", "trace": traceback.format_exc()},
+            )
+        )
     finally:
         try:
             dist.destroy_process_group()
@@ -154,17 +174,30 @@ def _worker(rank: int, world: int, init_file: str, strategy: str, ckpt: str, dty
             pass
 
 
-def run_strategy(strategy: str, ckpt: str, world: int, *, dtype: str = "bfloat16", verify: bool = True,
-                 timeout: float = 900.0, **opts: Any) -> RunResult:
+def run_strategy(
+    strategy: str,
+    ckpt: str,
+    world: int,
+    *,
+    dtype: str = "bfloat16",
+    verify: bool = True,
+    timeout: float = 900.0,
+    **opts: Any,
+) -> RunResult:
     """Loads ``ckpt`` with ``strategy`` on ``world`` fresh gloo ranks and measures it."""
     ctx = mp.get_context("spawn")
     fd, init_file = tempfile.mkstemp(prefix="streamload_bench_pg_")
     os.close(fd)
     os.unlink(init_file)
     ready, results, go = ctx.Queue(), ctx.Queue(), ctx.Event()
-    procs = [ctx.Process(target=_worker, args=(r, world, init_file, strategy, ckpt, dtype,
-                                               {**opts, "verify": verify}, ready, go, results), daemon=True)
-             for r in range(world)]
+    procs = [
+        ctx.Process(
+            target=_worker,
+            args=(r, world, init_file, strategy, ckpt, dtype, {**opts, "verify": verify}, ready, go, results),
+            daemon=True,
+        )
+        for r in range(world)
+    ]
     for p in procs:
         p.start()
     res = RunResult(strategy, world, ckpt, ok=False)

@@ -7,6 +7,7 @@ transformers."""
 from __future__ import annotations
 
 import os
+import typing
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -60,12 +61,14 @@ def load_rank0_broadcast(ckpt: str, mesh: Any, dtype: torch.dtype, opts: dict[st
     default_shard_fn(model, mesh)
     if dist.get_rank() != 0:
         model.to_empty(device=mesh.device_type)
-    set_model_state_dict(model, full_state, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+    set_model_state_dict(
+        model, full_state, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+    )
     del full_state
     for buf in model.buffers():
         dist.broadcast(buf, src=0)
     if hasattr(model, "tie_weights"):
-        model.tie_weights()
+        typing.cast(typing.Any, model).tie_weights()
     return model
 
 
@@ -106,11 +109,14 @@ def load_dcp_hf(ckpt: str, mesh: Any, dtype: torch.dtype, opts: dict[str, Any]) 
     with torch.no_grad():
         for n, b in model.named_buffers():
             b.copy_(buffers[n])
-    state = {k: v for k, v in model.state_dict().items() if not k.endswith("lm_head.weight") or
-             not getattr(model.config, "tie_word_embeddings", False)}
+    state = {
+        k: v
+        for k, v in model.state_dict().items()
+        if not k.endswith("lm_head.weight") or not getattr(model.config, "tie_word_embeddings", False)
+    }
     dcp.load(state, storage_reader=dcp.HuggingFaceStorageReader(ckpt))
     if hasattr(model, "tie_weights"):
-        model.tie_weights()
+        typing.cast(typing.Any, model).tie_weights()
     return model
 
 
