@@ -16,7 +16,7 @@ import os
 from pathlib import Path
 
 from streamload.bench.runner import run_strategy
-from streamload.load import DEFAULT_BUCKET_BYTES
+from streamload.load import DEFAULT_CPU_BUCKET_BYTES
 from streamload.synthetic import make_checkpoint, sized_config
 
 MiB = 1 << 20
@@ -36,7 +36,7 @@ def main() -> None:
     ap.add_argument("--sizes", type=float, nargs="+", default=[0.75, 1.5])
     ap.add_argument("--ranks", type=int, nargs="+", default=[2, 4])
     ap.add_argument("--strategies", nargs="+", default=["streamload", "rank0_broadcast"])
-    ap.add_argument("--bucket-mib", type=int, default=DEFAULT_BUCKET_BYTES // MiB)
+    ap.add_argument("--bucket-mib", type=int, default=DEFAULT_CPU_BUCKET_BYTES // MiB)
     ap.add_argument("--ckpt-dir", default="/tmp/streamload_bench_ckpts")
     ap.add_argument("--out", default="bench_out/memory")
     args = ap.parse_args()

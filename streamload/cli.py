@@ -25,6 +25,21 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     return run_demo(world_size=args.ranks, keep=args.keep)
 
 
+def _cmd_ingest(args: argparse.Namespace) -> int:
+    import torch
+
+    from .ingest import ingest
+
+    dtype = getattr(torch, args.dtype) if args.dtype else None
+    rep = ingest(args.src, args.dst, dtype=dtype, max_shard_size=args.max_shard_size, threads=args.threads)
+    print(
+        f"wrote {args.dst}: {rep.tensors} tensors in {rep.files} files, {rep.bytes_written} bytes; "
+        f"{rep.converted} tensors converted"
+        + (f"; dropped unexpected keys: {rep.dropped}" if rep.dropped else "")
+    )
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="streamload", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -34,6 +49,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--mode", default="auto", choices=["auto", "mmap", "pread"])
     p.add_argument("--tensors", action="store_true", help="also list every tensor")
     p.set_defaults(func=_cmd_inspect)
+
+    p = sub.add_parser("ingest", help="rewrite a per-expert MoE checkpoint in the model's fused layout")
+    p.add_argument("src", help="checkpoint directory (config.json + safetensors)")
+    p.add_argument("dst", help="output directory (must not exist; written atomically)")
+    p.add_argument("--dtype", default=None, help="cast floating tensors, e.g. bfloat16")
+    p.add_argument("--max-shard-size", default="5GB")
+    p.add_argument("--threads", type=int, default=None)
+    p.set_defaults(func=_cmd_ingest)
 
     p = sub.add_parser("demo", help="generate a small checkpoint, load it and compare")
     p.add_argument("--ranks", type=int, default=4)

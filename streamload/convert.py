@@ -60,7 +60,7 @@ def _cat(values: Sequence[Sym], dim: int) -> Sym:
     out: list[SourcePiece] = []
     for v in values:
         if len(v.shape) != len(shape) or any(
-            a != b for d, (a, b) in enumerate(zip(v.shape, shape)) if d != dim
+            a != b for d, (a, b) in enumerate(zip(v.shape, shape, strict=True)) if d != dim
         ):
             raise ValueError("cannot concatenate tensors of different shapes")
         for p in v.pieces:

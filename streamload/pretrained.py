@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .load import DEFAULT_BUCKET_BYTES, load_checkpoint, open_source, resolve_group
+from .load import load_checkpoint, open_source, resolve_group
 from .model_state import record_state
 
 
@@ -59,7 +59,7 @@ def from_pretrained(
     shard_fn: Callable[[nn.Module, Any], None] | None = None,
     dtype: torch.dtype | None = None,
     src_rank: int = 0,
-    bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+    bucket_bytes: int | None = None,
     strict: bool = True,
     progress: bool | None = None,
     **load_kwargs: Any,

@@ -73,6 +73,13 @@ def tied(model: nn.Module) -> bool | None:
     return head.weight is emb.weight
 
 
+def case_compare_checkpoints(rank: int, world: int, *, a: str, b: str) -> None:
+    """transformers loads checkpoints ``a`` and ``b`` to the same parameters."""
+    if rank == 0:
+        bad = compare_model(reference(b, None), reference(a, None))
+        assert not bad, bad
+
+
 def case_from_pretrained(
     rank: int,
     world: int,
@@ -82,6 +89,7 @@ def case_from_pretrained(
     dtype: torch.dtype | None = None,
     bucket_bytes: int = 4096,
     hsdp: bool = False,
+    ref_ckpt: str | None = None,
 ) -> dict | None:
     if hsdp:
         from torch.distributed.device_mesh import init_device_mesh
@@ -95,12 +103,13 @@ def case_from_pretrained(
     model = streamload.from_pretrained(
         path, device_mesh=mesh, dtype=dtype, bucket_bytes=bucket_bytes, progress=False
     )
-    ref = reference(ckpt, dtype)
+    ref = reference(ref_ckpt or ckpt, dtype)
     bad = compare_model(model, ref)
     assert not bad, f"differ from transformers: {bad}"
     assert tied(model) == tied(ref), (tied(model), tied(ref))
     assert not model.training
-    assert model.config.to_dict() == ref.config.to_dict() or _same_config(model.config, ref.config)
+    if ref_ckpt is None:  # the same files: config and generation config as transformers gives them
+        assert model.config.to_dict() == ref.config.to_dict() or _same_config(model.config, ref.config)
     assert model.generation_config.to_dict() == ref.generation_config.to_dict()
     rep = model.streamload_report
     assert rep.peak_staging_bytes <= rep.slots * rep.bucket_bytes
@@ -270,16 +279,22 @@ def case_fallback_op(rank: int, world: int, *, ckpt: str, ws: int, model_type: s
         return None
     original = cm.get_checkpoint_conversion_mapping(model_type)
     opaque = [
-        WeightConverter(["mlp.experts.*.gate_proj.weight", "mlp.experts.*.up_proj.weight"], "mlp.experts.gate_up_proj",
-                        operations=[MergeModulelist(dim=0), OpaqueConcatenate(dim=1)]),
-        WeightConverter(["mlp.experts.*.down_proj.weight"], "mlp.experts.down_proj", operations=[MergeModulelist(dim=0)]),
+        WeightConverter(
+            ["mlp.experts.*.gate_proj.weight", "mlp.experts.*.up_proj.weight"],
+            "mlp.experts.gate_up_proj",
+            operations=[MergeModulelist(dim=0), OpaqueConcatenate(dim=1)],
+        ),
+        WeightConverter(
+            ["mlp.experts.*.down_proj.weight"], "mlp.experts.down_proj", operations=[MergeModulelist(dim=0)]
+        ),
     ]
     cm.register_checkpoint_conversion_mapping(model_type, opaque, overwrite=True)
     try:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            model = streamload.from_pretrained(ckpt if rank == 0 else MISSING_PATH, device_mesh=mesh,
-                                               bucket_bytes=2048, progress=False)
+            model = streamload.from_pretrained(
+                ckpt if rank == 0 else MISSING_PATH, device_mesh=mesh, bucket_bytes=2048, progress=False
+            )
         ref = reference(ckpt, None)
     finally:
         cm.register_checkpoint_conversion_mapping(model_type, original, overwrite=True)

@@ -3,11 +3,11 @@ layout straight into each rank's shard: bit-exact against transformers."""
 
 from __future__ import annotations
 
+import cases_load as cases
 import pytest
 import torch
-
-import cases_load as cases
 from rank_group import RankGroup
+
 from streamload.synthetic import make_checkpoint
 
 MODELS = {
@@ -46,7 +46,9 @@ def test_moe_matches_transformers(group: RankGroup, ckpts, ws: int) -> None:
 
 
 def test_moe_fp32_masters(group: RankGroup, ckpts) -> None:
-    group.run(cases.case_from_pretrained, ckpt=ckpts["qwen3_moe"], ws=3, dtype=torch.float32, bucket_bytes=3000)
+    group.run(
+        cases.case_from_pretrained, ckpt=ckpts["qwen3_moe"], ws=3, dtype=torch.float32, bucket_bytes=3000
+    )
 
 
 def test_moe_zero_expert_rank_and_hsdp(group: RankGroup, ckpts) -> None:
@@ -59,3 +61,62 @@ def test_moe_zero_expert_rank_and_hsdp(group: RankGroup, ckpts) -> None:
 def test_unstreamable_op_falls_back(group: RankGroup, ckpts, ws: int) -> None:
     res = group.run(cases.case_fallback_op, ckpt=ckpts["qwen3_moe"], ws=ws, model_type="qwen3_moe")
     assert res[0]["warned"]
+
+
+@pytest.fixture(scope="module")
+def ingested(ckpts, tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    from streamload.cli import main
+
+    root = tmp_path_factory.mktemp("ingested")
+    out = {}
+    for mt in MODELS:
+        dst = root / mt
+        assert main(["ingest", ckpts[mt], str(dst), "--max-shard-size", "20KB"]) == 0
+        out[mt] = str(dst)
+    return out
+
+
+def test_ingest_output_loads_identically(group: RankGroup, ckpts, ingested) -> None:
+    from safetensors import safe_open
+
+    for mt in MODELS:
+        keys = [
+            k
+            for f in sorted(__import__("pathlib").Path(ingested[mt]).glob("*.safetensors"))
+            for k in safe_open(str(f), "pt").keys()
+        ]
+        assert any(k.endswith("experts.gate_up_proj") for k in keys) and not any(
+            ".experts.0." in k for k in keys
+        )
+        # transformers' own load of DST equals its load of SRC ...
+        group.run(cases.case_compare_checkpoints, a=ckpts[mt], b=ingested[mt])
+        # ... and streamload loads DST with no conversion, bit-exact, at odd and even world sizes.
+        for ws in (2, 3):
+            res = group.run(
+                cases.case_from_pretrained, ckpt=ingested[mt], ws=ws, bucket_bytes=3000, ref_ckpt=ckpts[mt]
+            )
+            assert res[0]["report"]["converted"] == {}
+
+
+def test_ingest_is_atomic(ckpts, tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import streamload.ingest as ing
+
+    calls = {"n": 0}
+    real = ing._fill
+
+    def failing_fill(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise KeyboardInterrupt("interrupted mid-ingest")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(ing, "_fill", failing_fill)
+    dst = tmp_path / "out"
+    with pytest.raises(KeyboardInterrupt):
+        ing.ingest(ckpts["qwen3_moe"], dst, max_shard_size="20KB")
+    assert not dst.exists()
+    assert [p.name for p in tmp_path.iterdir()] == []  # the partial directory is gone too
+    monkeypatch.setattr(ing, "_fill", real)
+    ing.ingest(ckpts["qwen3_moe"], dst, max_shard_size="20KB", dtype=torch.float32)
+    with pytest.raises(Exception, match="destination exists"):
+        ing.ingest(ckpts["qwen3_moe"], dst)
