@@ -11,11 +11,11 @@ from /proc/meminfo) minus the loaded shards (one model's worth in total).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 from pathlib import Path
 
 from streamload.bench.runner import run_strategy
+from streamload.bench.table import markdown_table, write_jsonl
 from streamload.load import DEFAULT_CPU_BUCKET_BYTES
 from streamload.synthetic import make_checkpoint, sized_config
 
@@ -46,51 +46,22 @@ def main() -> None:
     bucket = args.bucket_mib * MiB
     bound = 4 * bucket + 512 * MiB
     rows = []
-    with open(Path(args.out) / "results.jsonl", "w") as jf:
-        for gb in args.sizes:
-            ckpt = ensure_checkpoint(root, gb)
-            for ws in args.ranks:
-                for strategy in args.strategies:
-                    r = run_strategy(strategy, ckpt, ws, bucket_bytes=bucket)
-                    d = r.to_dict()
-                    d["size_gb"] = gb
-                    d.pop("timeline")
-                    jf.write(json.dumps(d) + "\n")
-                    rows.append(d)
-                    status = "ok" if r.ok else f"FAILED: {r.error}"
-                    print(
-                        f"{gb:g} GB ws={ws} {strategy}: {r.seconds:.2f}s overhead {r.overhead_bytes / MiB:.0f} MiB "
-                        f"correct={r.correct} tie={r.tie_held} {status}",
-                        flush=True,
-                    )
-    lines = [
-        f"bucket_bytes = {args.bucket_mib} MiB; overhead bound 4 x bucket + 512 MiB = {bound / MiB:.0f} MiB",
-        "",
-        "| size | ranks | strategy | load s | peak anon over baseline | overhead (minus shards) | "
-        "time vs rank0_broadcast | correct | tie held |",
-        "|---|---|---|---|---|---|---|---|---|",
-    ]
-    for d in rows:
-        base = next(
-            (
-                x
-                for x in rows
-                if x["size_gb"] == d["size_gb"]
-                and x["world"] == d["world"]
-                and x["strategy"] == "rank0_broadcast"
-                and x["ok"]
-            ),
-            None,
-        )
-        ratio = f"{d['seconds'] / base['seconds']:.2f}x" if base and d["ok"] else "-"
-        lines.append(
-            f"| {d['size_gb']:g} GB | {d['world']} | {d['strategy']} | "
-            f"{d['seconds']:.2f} | {d['peak_anon_over_baseline'] / MiB:.0f} MiB | {d['overhead_bytes'] / MiB:.0f} MiB | "
-            f"{ratio} | {d['correct']} | {d['tie_held']} |"
-            if d["ok"]
-            else f"| {d['size_gb']:g} GB | {d['world']} | {d['strategy']} | failed: {d['error']} | | | | | |"
-        )
-    table = "\n".join(lines)
+    for gb in args.sizes:
+        ckpt = ensure_checkpoint(root, gb)
+        for ws in args.ranks:
+            for strategy in args.strategies:
+                r = run_strategy(strategy, ckpt, ws, bucket_bytes=bucket)
+                rows.append({**r.to_dict(), "size": f"{gb:g} GB"})
+                print(
+                    f"{gb:g} GB ws={ws} {strategy}: {r.seconds:.2f}s overhead {r.overhead_bytes / MiB:.0f} MiB "
+                    f"correct={r.correct} tie={r.tie_held} {'ok' if r.ok else 'FAILED: ' + str(r.error)}",
+                    flush=True,
+                )
+    write_jsonl(Path(args.out) / "results.jsonl", rows)
+    table = (
+        f"bucket_bytes = {args.bucket_mib} MiB; overhead bound 4 x bucket + 512 MiB = {bound / MiB:.0f} MiB\n\n"
+        + markdown_table(rows, ["size"])
+    )
     print(table)
     (Path(args.out) / "table.md").write_text(table + "\n")
 

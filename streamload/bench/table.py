@@ -1,0 +1,83 @@
+"""Markdown tables and JSON lines for benchmark results."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+MiB = 1 << 20
+
+
+def write_jsonl(path: str | Path, rows: Iterable[dict[str, Any]]) -> None:
+    with open(path, "w") as f:
+        for row in rows:
+            f.write(json.dumps({k: v for k, v in row.items() if k != "timeline"}) + "\n")
+
+
+def markdown_table(
+    rows: Sequence[dict[str, Any]], group_keys: Sequence[str], baseline: str = "rank0_broadcast"
+) -> str:
+    """One line per run; time and overhead ratios against ``baseline`` in the same group."""
+    head = [
+        *group_keys,
+        "ranks",
+        "strategy",
+        "load s",
+        "peak anon over baseline",
+        "overhead (minus shards)",
+        "time vs " + baseline,
+        "overhead vs " + baseline,
+        "correct",
+        "tie held",
+    ]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for d in rows:
+        group = [str(d.get(k, "")) for k in group_keys]
+        if not d["ok"]:
+            lines.append(
+                "| "
+                + " | ".join(
+                    [*group, str(d["world"]), d["strategy"], f"failed: {d['error']}"]
+                    + [""] * (len(head) - len(group_keys) - 3)
+                )
+                + " |"
+            )
+            continue
+        base = next(
+            (
+                x
+                for x in rows
+                if x["strategy"] == baseline
+                and x["ok"]
+                and x["world"] == d["world"]
+                and all(x.get(k) == d.get(k) for k in group_keys)
+            ),
+            None,
+        )
+        t_ratio = f"{d['seconds'] / base['seconds']:.2f}x" if base else "-"
+        m_ratio = (
+            f"{d['overhead_bytes'] / base['overhead_bytes']:.2f}x"
+            if base and base["overhead_bytes"] > 0
+            else "-"
+        )
+        lines.append(
+            "| "
+            + " | ".join(
+                [
+                    *group,
+                    str(d["world"]),
+                    d["strategy"],
+                    f"{d['seconds']:.2f}",
+                    f"{d['peak_anon_over_baseline'] / MiB:.0f} MiB",
+                    f"{d['overhead_bytes'] / MiB:.0f} MiB",
+                    t_ratio,
+                    m_ratio,
+                    str(d["correct"]),
+                    str(d["tie_held"]),
+                ]
+            )
+            + " |"
+        )
+    return "\n".join(lines)
