@@ -19,6 +19,7 @@ from .errors import (
     TieError,
     UnsafePathError,
 )
+from .frameworks import fsdp2_load_full_state_dict
 from .load import load_checkpoint
 from .pretrained import from_pretrained
 from .report import LoadReport
@@ -45,5 +46,6 @@ __all__ = [
     "UnsafePathError",
     "__version__",
     "from_pretrained",
+    "fsdp2_load_full_state_dict",
     "load_checkpoint",
 ]

@@ -6,6 +6,7 @@ import os
 import time
 import warnings
 from collections import deque
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -31,6 +32,7 @@ from .model_state import (
 from .pack import Packer, StagingRing
 from .plan import Plan, build_plan, validate_targets
 from .report import LoadReport, progress_enabled
+from .sources import Source, as_source
 from .transport import Transport, all_gather_object, broadcast_object
 from .unpack import unpack
 
@@ -93,7 +95,7 @@ def resolve_device(model: nn.Module, device_mesh: Any, group: dist.ProcessGroup 
     return torch.device(dev_type)
 
 
-def _compare_tied(ckpt: Checkpoint, state: ModelState) -> list[str]:
+def _compare_tied(ckpt: Source, state: ModelState) -> list[str]:
     """Aliases whose checkpoint bytes differ from their canonical tensor's."""
     conflicts = []
     for g in state.ties:
@@ -118,7 +120,7 @@ def _compare_tied(ckpt: Checkpoint, state: ModelState) -> list[str]:
 
 
 def open_source(
-    path: str | os.PathLike | None,
+    path: Any,
     rank: int,
     src_rank: int,
     group: dist.ProcessGroup | None,
@@ -127,14 +129,15 @@ def open_source(
     read_mode: str = "auto",
     threads: int | None = None,
     extra: Any = None,
-) -> tuple[Checkpoint | None, SourceMeta]:
+) -> tuple[Source | None, SourceMeta]:
     """The reader opens the checkpoint and broadcasts its table (or its error)."""
-    ckpt: Checkpoint | None = None
+    ckpt: Source | None = None
     payload: SourceMeta | BaseException | None = None
     if rank == src_rank:
         try:
-            assert path is not None
-            ckpt = Checkpoint(path, mode=read_mode, threads=threads)
+            if path is None:
+                raise StreamloadError("the reader rank was given no checkpoint", rank=rank)
+            ckpt = as_source(path, read_mode, threads)
             table = {t.name: (t.dtype, t.shape, t.file) for t in ckpt.tensors}
             payload = SourceMeta(
                 table, _compare_tied(ckpt, state), dict(extra() if callable(extra) else extra or {})
@@ -153,7 +156,7 @@ def open_source(
 
 def load_checkpoint(
     model: nn.Module,
-    path: str | os.PathLike | None,
+    path: str | os.PathLike | Checkpoint | Mapping[str, torch.Tensor] | None,
     *,
     src_rank: int = 0,
     strict: bool = True,
@@ -164,7 +167,7 @@ def load_checkpoint(
     device_mesh: Any = None,
     threads: int | None = None,
     read_mode: str = "auto",
-    _source: tuple[Checkpoint | None, SourceMeta] | None = None,
+    _source: tuple[Source | None, SourceMeta] | None = None,
 ) -> LoadReport:
     """Streams a safetensors checkpoint into an FSDP2 (or plain) model.
 
@@ -175,8 +178,9 @@ def load_checkpoint(
 
     Args:
         model: a model, ``fully_shard``-ed or not, on meta or materialised.
-        path: checkpoint file or directory (read on ``src_rank`` only; other
-            ranks may pass anything, even a path that does not exist there).
+        path: checkpoint file or directory, an open Checkpoint, or a dict of
+            tensors (used on ``src_rank`` only; other ranks may pass anything,
+            even a path that does not exist there, or None).
         src_rank: the global rank that reads.
         strict: raise KeyMismatchError on missing/unexpected keys (all ranks,
             before any weight is sent); else report them.

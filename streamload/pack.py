@@ -10,10 +10,10 @@ from typing import Any
 
 import torch
 
-from .checkpoint import Checkpoint
 from .copy_ops import ITEMSIZE, ST_DTYPES, OpBatch, contiguous_strides
 from .plan import Bucket, Plan, Segment
 from .regions import regions_for_box
+from .sources import Source
 
 
 class StagingRing:
@@ -50,7 +50,7 @@ class Packer:
     """
 
     def __init__(
-        self, ckpt: Checkpoint, plan: Plan, locals_: Sequence[torch.Tensor] | None = None, virtual: Any = None
+        self, ckpt: Source, plan: Plan, locals_: Sequence[torch.Tensor] | None = None, virtual: Any = None
     ) -> None:
         self.ckpt = ckpt
         self.plan = plan
@@ -132,4 +132,7 @@ class Packer:
             self.bytes_read += batch.execute(self.ckpt.engine, self.ckpt.files)
         finally:
             self._keep.clear()
+            release = getattr(self.ckpt, "release", None)
+            if release is not None:
+                release()
         return slot[: bucket.wire_total]

@@ -56,8 +56,16 @@ class StateDictSource:
         if name not in self.state:
             raise TensorNotFoundError("not in the state dict", STATE_DICT, name)
         t = self._cpu(name)
-        return TensorInfo(name, ST_DTYPES[t.dtype], tuple(t.shape), STATE_DICT, -1, 0, t.data_ptr(),
-                          t.numel() * t.element_size())
+        return TensorInfo(
+            name,
+            ST_DTYPES[t.dtype],
+            tuple(t.shape),
+            STATE_DICT,
+            -1,
+            0,
+            t.data_ptr(),
+            t.numel() * t.element_size(),
+        )
 
     def __contains__(self, name: object) -> bool:
         return name in self.state
@@ -67,8 +75,18 @@ class StateDictSource:
         """The table without materialising anything (begin is filled by ``info``)."""
         out = []
         for name, t in self.state.items():
-            out.append(TensorInfo(name, ST_DTYPES[t.dtype], tuple(t.shape), STATE_DICT, -1, 0, 0,
-                                  t.numel() * t.element_size()))
+            out.append(
+                TensorInfo(
+                    name,
+                    ST_DTYPES[t.dtype],
+                    tuple(t.shape),
+                    STATE_DICT,
+                    -1,
+                    0,
+                    0,
+                    t.numel() * t.element_size(),
+                )
+            )
         return out
 
     def read_region(self, name: str, box: list[tuple[int, int]]) -> torch.Tensor:

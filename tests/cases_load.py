@@ -304,3 +304,96 @@ def case_fallback_op(rank: int, world: int, *, ckpt: str, ws: int, model_type: s
     assert any(v.startswith("fallback") for v in converted.values()), converted
     assert any(v.startswith("streamed MergeModulelist") for v in converted.values()), converted
     return {"warned": any("no streaming form" in str(w.message) for w in caught)}
+
+
+def _verl_model(ckpt: str, dtype: torch.dtype, rank: int, mesh):
+    """verl's _build_module + apply_fsdp2: rank 0 real weights, others meta."""
+    from accelerate import init_empty_weights
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from streamload.pretrained import default_shard_fn
+
+    if rank == 0:
+        model = reference(ckpt, dtype)
+        full_state = model.state_dict()
+    else:
+        with init_empty_weights():
+            model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(ckpt), dtype=dtype)
+        full_state = model.state_dict()  # verl passes the meta state dict on other ranks
+    default_shard_fn(model, mesh)
+    return model, full_state
+
+
+def case_verl_sequence(
+    rank: int, world: int, *, ckpt: str, ws: int, dtype: torch.dtype, use_checkpoint: bool = False
+) -> dict | None:
+    mesh = mesh_for(ws)
+    if mesh is None:
+        return None
+    model, full_state = _verl_model(ckpt, dtype, rank, mesh)
+    if use_checkpoint and rank == 0:
+        full_state = streamload.Checkpoint(ckpt)
+    report = streamload.fsdp2_load_full_state_dict(model, full_state, mesh)
+    del full_state
+    ref = reference(ckpt, dtype)
+    bad = compare_model(model, ref)
+    assert not bad, bad
+    assert tied(model) == tied(ref)
+    return report.to_dict()
+
+
+def _rss() -> int:
+    import psutil
+
+    return psutil.Process().memory_info().rss
+
+
+def case_receiver_memory(rank: int, world: int, *, ckpt: str, ws: int, bucket_bytes: int) -> dict | None:
+    """What a receiving rank allocates during the call: sampled RSS peak."""
+    import threading
+
+    from accelerate import init_empty_weights
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from streamload.pretrained import default_shard_fn
+
+    mesh = mesh_for(ws)
+    if mesh is None:
+        return None
+    config = AutoConfig.from_pretrained(ckpt)
+    with init_empty_weights():
+        model = AutoModelForCausalLM.from_config(config, dtype=config.dtype)
+    default_shard_fn(model, mesh)
+    peak = [0]
+    stop = threading.Event()
+
+    def sample() -> None:
+        while not stop.is_set():
+            peak[0] = max(peak[0], _rss())
+            stop.wait(0.002)
+
+    import gc
+
+    gc.collect()
+    dist.barrier()
+    before = _rss()
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    streamload.load_checkpoint(
+        model,
+        ckpt if rank == 0 else MISSING_PATH,
+        device_mesh=mesh,
+        bucket_bytes=bucket_bytes,
+        progress=False,
+    )
+    stop.set()
+    sampler.join()
+    peak[0] = max(peak[0], _rss())
+    shards = sum(local_bytes(t) for t in list(model.parameters()) + list(model.buffers()))
+    full = sum(p.numel() * p.element_size() for p in model.parameters())
+    return {"rank": rank, "growth": peak[0] - before, "shards": shards, "model": full}
+
+
+def local_bytes(t: torch.Tensor) -> int:
+    lt = t.to_local() if hasattr(t, "to_local") else t
+    return lt.numel() * lt.element_size()

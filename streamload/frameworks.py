@@ -1,0 +1,55 @@
+"""Drop-ins for framework call sites (verl, accelerate, AReaL, torchtitan)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .checkpoint import Checkpoint
+from .load import load_checkpoint
+from .report import LoadReport
+
+
+def fsdp2_load_full_state_dict(
+    model: nn.Module,
+    full_state: Mapping[str, torch.Tensor] | Checkpoint | Any,
+    device_mesh: Any = None,
+    cpu_offload: Any = None,
+) -> LoadReport:
+    """verl's ``fsdp2_load_full_state_dict``, streamed.
+
+    Same signature and effect as ``verl.utils.fsdp_utils.fsdp2_load_full_state_dict``:
+    the model is already ``fully_shard``-ed (on meta or materialised); only
+    rank 0's ``full_state`` is read (other ranks may pass their meta state
+    dict or ``{}``). Unlike the original, receivers never allocate a full
+    tensor and rank 0 holds at most the staging ring; buffers are right and
+    ties re-bound afterwards.
+
+    Args:
+        model: the sharded model.
+        full_state: on rank 0, a dict of tensors or a ``streamload.Checkpoint``
+            (then rank 0 never materialises the model at all).
+        device_mesh: the model's mesh (for the device type and group).
+        cpu_offload: as verl: when not None, parameters move to the CPU
+            afterwards while buffers stay on the device.
+
+    Returns:
+        The LoadReport (verl ignores the return value).
+
+    Example:
+        >>> fsdp2_load_full_state_dict(model, full_state if rank == 0 else {}, device_mesh)
+    """
+    rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+    source = full_state if rank == 0 else None
+    report = load_checkpoint(model, source, device_mesh=device_mesh, strict=True, progress=False)
+    if cpu_offload is not None:
+        device = next((b.device for b in model.buffers()), None)
+        model.to("cpu", non_blocking=True)
+        if device is not None:
+            for buf in model.buffers():
+                buf.data = buf.data.to(device)
+    return report
