@@ -4,6 +4,10 @@
 #include <cstring>
 
 #include <sched.h>
+#include <setjmp.h>
+#include <signal.h>
+
+#include <mutex>
 
 #if defined(__x86_64__) || defined(__SSE2__)
 #include <emmintrin.h>
@@ -203,6 +207,52 @@ void copy_region(DType sd, DType dd, const char* s, char* d, const Region& r) {
   }
 }
 
+// A file truncated while mapped turns reads past its new end into SIGBUS.
+// Copies from mappings run under a per-thread jump buffer: the handler jumps
+// back and the copy fails with a FileError instead of killing the process.
+// Faults that are not ours go to the previously installed handler.
+thread_local sigjmp_buf* tl_bus_jump = nullptr;
+struct sigaction g_previous_bus;
+
+void bus_handler(int sig, siginfo_t* info, void* ctx) {
+  if (tl_bus_jump != nullptr) siglongjmp(*tl_bus_jump, 1);
+  if (g_previous_bus.sa_flags & SA_SIGINFO) {
+    if (g_previous_bus.sa_sigaction) return g_previous_bus.sa_sigaction(sig, info, ctx);
+  } else if (g_previous_bus.sa_handler != SIG_IGN && g_previous_bus.sa_handler != SIG_DFL) {
+    return g_previous_bus.sa_handler(sig);
+  }
+  signal(SIGBUS, SIG_DFL);
+  raise(SIGBUS);
+}
+
+// (Re)installs the handler when someone else (faulthandler, say) took SIGBUS
+// since; theirs is kept and chained for faults outside our copies.
+void install_bus_handler() {
+  static std::mutex mu;
+  std::lock_guard<std::mutex> lk(mu);
+  struct sigaction current;
+  if (sigaction(SIGBUS, nullptr, &current) != 0) return;
+  if ((current.sa_flags & SA_SIGINFO) && current.sa_sigaction == bus_handler) return;
+  struct sigaction sa;
+  std::memset(&sa, 0, sizeof(sa));
+  sa.sa_sigaction = bus_handler;
+  sa.sa_flags = SA_SIGINFO | SA_NODEFER;
+  sigemptyset(&sa.sa_mask);
+  sigaction(SIGBUS, &sa, &g_previous_bus);
+}
+
+// Runs copy_region from a mapping; a SIGBUS becomes a FileError.
+void guarded_copy(DType sd, DType dd, const char* s, char* d, const Region& r, const MappedFile* f) {
+  sigjmp_buf jump;
+  if (sigsetjmp(jump, 0) != 0) {
+    tl_bus_jump = nullptr;
+    throw FileError("bus error reading the mapped file: it was truncated or replaced while loading", f->path());
+  }
+  tl_bus_jump = &jump;
+  copy_region(sd, dd, s, d, r);
+  tl_bus_jump = nullptr;
+}
+
 struct Piece {
   size_t op;
   Region region;
@@ -225,6 +275,12 @@ CopyEngine::CopyEngine(size_t threads) : pool_(threads ? threads : default_threa
 
 uint64_t CopyEngine::execute(const std::vector<const MappedFile*>& files, const CopyOp* ops, size_t n) {
   for (size_t i = 0; i < n; ++i) validate(ops[i], i, files.size(), files);
+  for (const MappedFile* f : files) {
+    if (f->mapped()) {
+      install_bus_handler();
+      break;
+    }
+  }
   std::vector<Piece> pieces;
   uint64_t total = 0;
   for (size_t i = 0; i < n; ++i) {
@@ -254,7 +310,7 @@ uint64_t CopyEngine::execute(const std::vector<const MappedFile*>& files, const 
     }
     const MappedFile* f = files[static_cast<size_t>(op.file)];
     if (f->mapped()) {
-      copy_region(sd, dd, f->data() + op.src + p.src_offset * si, dst, p.region);
+      guarded_copy(sd, dd, f->data() + op.src + p.src_offset * si, dst, p.region, f);
       return;
     }
     if (sd == dd && p.region.ndim == 1 && p.region.ss[0] == 1 && p.region.ds[0] == 1) {

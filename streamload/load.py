@@ -30,10 +30,11 @@ from .model_state import (
     restore_buffers,
 )
 from .pack import Packer, StagingRing
-from .plan import Plan, build_plan, validate_targets
+from .plan import Placement, Plan, build_plan, validate_targets
+from .protocol import StatusCheck, gather_or_raise, portable
 from .report import LoadReport, progress_enabled
 from .sources import Source, as_source
-from .transport import Transport, all_gather_object, broadcast_object
+from .transport import Transport, broadcast_object
 from .unpack import unpack
 
 # Measured on CPU/gloo (benchmarks/bench_memory.py): 64 MiB buckets load as
@@ -58,6 +59,7 @@ class SourceMeta:
 
     table: Table
     tie_conflicts: list[str] = field(default_factory=list)
+    path: str | None = None  # the checkpoint as the reader names it
     extra: dict[str, Any] = field(default_factory=dict)  # e.g. config for from_pretrained
 
 
@@ -133,6 +135,7 @@ def open_source(
     """The reader opens the checkpoint and broadcasts its table (or its error)."""
     ckpt: Source | None = None
     payload: SourceMeta | BaseException | None = None
+    local: BaseException | None = None
     if rank == src_rank:
         try:
             if path is None:
@@ -140,14 +143,19 @@ def open_source(
             ckpt = as_source(path, read_mode, threads)
             table = {t.name: (t.dtype, t.shape, t.file) for t in ckpt.tensors}
             payload = SourceMeta(
-                table, _compare_tied(ckpt, state), dict(extra() if callable(extra) else extra or {})
+                table,
+                tie_conflicts=_compare_tied(ckpt, state),
+                path=str(getattr(ckpt, "path", path)),
+                extra=dict(extra() if callable(extra) else extra or {}),
             )
-        except StreamloadError as exc:
-            exc.rank = rank
-            payload = exc
+        except BaseException as exc:  # noqa: BLE001 - every rank must hear of it
+            local = exc
+            payload = portable(exc, rank)
     payload = broadcast_object(
         payload, src_rank, group, device if device.type != "meta" else torch.device("cpu")
     )
+    if local is not None:
+        raise local
     if isinstance(payload, BaseException):
         raise payload
     assert isinstance(payload, SourceMeta)
@@ -223,32 +231,42 @@ def load_checkpoint(
     table = meta.table
     phase("open")
 
-    shapes = {name: tuple(t.shape) for name, t in state.targets().items()}
-    conversion = plan_conversions(model, table, shapes)
-    table = {**table, **conversion.virtual_table}
-    match = match_keys(state, shapes, table, *ignore_patterns(model), conversion)
-    if strict and (match.missing or match.unexpected):
-        raise KeyMismatchError(
-            f"{len(match.missing)} missing keys {match.missing[:20]}, "
-            f"{len(match.unexpected)} unexpected keys {match.unexpected[:20]}",
-            file=str(path),
-            rank=rank,
-            missing=match.missing,
-            unexpected=match.unexpected,
-        )
-    # Shapes and tilings need no allocation: check them before materialising.
-    validate_targets(match.targets, table, [])
-
-    phase("match")
+    # Every check that can be made before the first weight byte is made here;
+    # any rank's failure reaches all ranks through the placement all-gather.
+    local_error: BaseException | None = None
+    mine: list[Placement] = []
+    match = None
+    conversion = None
     unrestored: list[str] = []
-    if is_meta(model):
-        materialize(model, device)
-        unrestored = restore_buffers(model, state)
-    rebind_ties(model, state.ties)
-    phase("materialize")
-    tensors = [_lookup(model, t.name) for t in match.targets]
-    mine = [local_placement(t) for t in tensors]
-    placements = all_gather_object(mine, group, device)
+    tensors: list[torch.Tensor] = []
+    try:
+        shapes = {name: tuple(t.shape) for name, t in state.targets().items()}
+        conversion = plan_conversions(model, table, shapes)
+        table = {**table, **conversion.virtual_table}
+        match = match_keys(state, shapes, table, *ignore_patterns(model), conversion)
+        if strict and (match.missing or match.unexpected):
+            raise KeyMismatchError(
+                f"{len(match.missing)} missing keys {match.missing[:20]}, "
+                f"{len(match.unexpected)} unexpected keys {match.unexpected[:20]}",
+                file=meta.path,
+                rank=rank,
+                missing=match.missing,
+                unexpected=match.unexpected,
+            )
+        # Shapes and tilings need no allocation: check them before materialising.
+        validate_targets(match.targets, table, [])
+        phase("match")
+        if is_meta(model):
+            materialize(model, device)
+            unrestored = restore_buffers(model, state)
+        rebind_ties(model, state.ties)
+        phase("materialize")
+        tensors = [_lookup(model, t.name) for t in match.targets]
+        mine = [local_placement(t) for t in tensors]
+    except BaseException as exc:  # noqa: BLE001 - reported to every rank, then re-raised
+        local_error = exc
+    placements = gather_or_raise(mine, local_error, rank, group, device)
+    assert match is not None and conversion is not None
     validate_targets(match.targets, table, placements)
     plan = build_plan(match.targets, {k: v[0] for k, v in table.items()}, placements, bucket_bytes)
 
@@ -345,28 +363,48 @@ def _stream(
 
         bar = tqdm(total=plan.payload_bytes, unit="B", unit_scale=True, unit_divisor=1024, desc="streamload")
     inflight: deque[tuple[int, torch.Tensor, Any]] = deque()
+    status = StatusCheck(group, device)
+    failure: BaseException | None = None
 
-    def finish() -> None:
+    def finish(unpack_it: bool = True) -> None:
         k, recv, handle = inflight.popleft()
         Transport.wait(handle)
-        unpack(plan.buckets[k], transport.rank, recv, locals_)
+        if unpack_it:
+            unpack(plan.buckets[k], transport.rank, recv, locals_)
 
     try:
         for k, bucket in enumerate(plan.buckets):
-            if len(inflight) == depth:
-                finish()
-            send = None
-            if packer is not None and ring is not None:
-                send = packer.pack(bucket, ring[k])
-                if dev_send:
-                    send = dev_send[k % len(dev_send)][: send.numel()].copy_(send, non_blocking=True)
-                if bar is not None:
-                    bar.update(sum(len(s) and sum(x.nbytes for x in s) for s in bucket.segments))
+            try:
+                if len(inflight) == depth:
+                    finish()
+                send = None
+                if packer is not None and ring is not None:
+                    packer.check_source()
+                    send = packer.pack(bucket, ring[k])
+                    if dev_send:
+                        send = dev_send[k % len(dev_send)][: send.numel()].copy_(send, non_blocking=True)
+                    if bar is not None:
+                        bar.update(sum(seg.nbytes for segs in bucket.segments for seg in segs))
+            except BaseException as exc:  # noqa: BLE001 - reported to every rank below
+                failure = exc
+            # Every rank learns of a failure here, before bucket k is posted.
+            if status.any_failed(failure is not None):
+                break
             recv = recv_ring[k % len(recv_ring)][: bucket.wire_bytes(transport.rank)]
             inflight.append((k, recv, transport.start(bucket, send, recv)))
+        else:
+            try:
+                while inflight:
+                    finish()
+            except BaseException as exc:  # noqa: BLE001
+                failure = exc
+            if not status.any_failed(failure is not None):
+                return ring.peak_bytes if ring is not None else 0
+        # Someone failed: finish the collectives already posted, then agree on the error.
         while inflight:
-            finish()
+            finish(unpack_it=False)
+        gather_or_raise(None, failure, transport.rank, group, device)
+        raise RuntimeError("unreachable: a failure was signalled but none was gathered")
     finally:
         if bar is not None:
             bar.close()
-    return ring.peak_bytes if ring is not None else 0

@@ -106,6 +106,13 @@ class Packer:
                 dst_offset=first + sum(b * st for b, st in zip(reg.box_start, dst_strides, strict=True)),
             )
 
+    def check_source(self) -> None:
+        """Raises CheckpointFileError if a file shrank since it was opened (a
+        mapped page past the new end would otherwise fault)."""
+        check = getattr(self.ckpt, "check_unchanged", None)
+        if check is not None:
+            check()
+
     def pack(self, bucket: Bucket, slot: torch.Tensor) -> torch.Tensor:
         """Packs ``bucket`` into ``slot``; returns the filled prefix (the wire bytes)."""
         if bucket.wire_total > slot.numel():

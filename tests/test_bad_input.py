@@ -223,3 +223,16 @@ def test_fuzz_arbitrary_bytes(blob: bytes) -> None:
         _native.parse_header(data)
     except streamload.HeaderError:
         pass
+
+
+def test_mapped_file_truncated_while_open_is_an_error_not_a_crash(tmp_path: Path) -> None:
+    import faulthandler
+
+    faulthandler.enable()  # as under pytest: our SIGBUS guard must still win
+    path = tmp_path / "big.safetensors"
+    save_file({"w": torch.randn(1024, 1024)}, str(path))
+    ckpt = streamload.Checkpoint(path, mode="mmap")
+    os.truncate(path, 4096)
+    for _ in range(2):  # and again: the guard stays installed
+        with pytest.raises(streamload.CheckpointFileError, match="truncated"):
+            ckpt.read("w")
