@@ -40,6 +40,12 @@ def _cmd_ingest(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_bench(args: argparse.Namespace) -> int:
+    from .bench.cli import run
+
+    return run(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="streamload", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -57,6 +63,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-shard-size", default="5GB")
     p.add_argument("--threads", type=int, default=None)
     p.set_defaults(func=_cmd_ingest)
+
+    p = sub.add_parser("bench", help="compare loading strategies side by side (time, memory, correctness)")
+    from .bench.cli import add_arguments
+
+    add_arguments(p)
+    p.set_defaults(func=_cmd_bench)
 
     p = sub.add_parser("demo", help="generate a small checkpoint, load it and compare")
     p.add_argument("--ranks", type=int, default=4)

@@ -150,7 +150,7 @@ def sized_config(model_type: str, gb: float, *, tie: bool, dtype_bytes: int = 2,
             big["moe_intermediate_size"] = inter or 256
             big["intermediate_size"] = 2048
             if model_type == "qwen3_moe":
-                big["head_dim"] = 128
+                big["head_dim"] = 128 if gb >= 0.5 else 32
             if model_type == "qwen2_moe":
                 big["shared_expert_intermediate_size"] = 1024
         else:

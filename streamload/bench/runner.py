@@ -112,19 +112,10 @@ def _verify(model: Any, ckpt: str, dtype: torch.dtype, rank: int) -> list[str]:
     return bad
 
 
-def _worker(
-    rank: int,
-    world: int,
-    init_file: str,
-    strategy: str,
-    ckpt: str,
-    dtype_name: str,
-    opts: dict[str, Any],
-    ready: Any,
-    go: Any,
-    results: Any,
-) -> None:
+def _worker(rank: int, world: int, init_file: str, commands: Any, results: Any) -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    import gc
+
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -133,45 +124,166 @@ def _worker(
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     mesh = init_device_mesh("cpu", (world,))
-    dtype = getattr(torch, dtype_name)
-    # Import cost is not load cost: import the model's modeling module now.
-    from transformers import AutoConfig, AutoModelForCausalLM
+    while True:
+        cmd = commands.get()
+        if cmd is None:
+            break
+        strategy, ckpt, dtype_name, opts = cmd
+        dtype = getattr(torch, dtype_name)
+        # Import cost is not load cost: import the model's modeling module now.
+        from transformers import AutoConfig, AutoModelForCausalLM
 
-    AutoModelForCausalLM._model_mapping[type(AutoConfig.from_pretrained(ckpt))]
-
-    ready.put(rank)
-    go.wait()
-    out: dict[str, Any] = {"rank": rank}
-    try:
-        t0 = time.perf_counter()
-        model = STRATEGIES[strategy](ckpt, mesh, dtype, opts)
-        dist.barrier()
-        out["seconds"] = time.perf_counter() - t0
-        out["peak_rss"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-        out["tie_held"] = _tie_held(model)
-        shard = sum(
-            (p.to_local() if hasattr(p, "to_local") else p).numel() * p.element_size()
-            for p in model.parameters()
-        )
-        out["shard_bytes"] = shard
-        out["bytes_moved"] = getattr(getattr(model, "streamload_report", None), "payload_bytes", 0)
-        results.put(("timed", out))
-        go_verify = opts.get("verify", True)
-        if go_verify:
-            bad = _verify(model, ckpt, dtype, rank)
-            results.put(("verified", {"rank": rank, "mismatched": bad}))
-    except BaseException as exc:  # noqa: BLE001 - a failing strategy is a result, not a crash
-        results.put(
-            (
-                "error",
-                {"rank": rank, "error": f"{type(exc).__name__}: {exc}", "trace": traceback.format_exc()},
-            )
-        )
-    finally:
+        AutoModelForCausalLM._model_mapping[type(AutoConfig.from_pretrained(ckpt))]
+        gc.collect()
+        _trim()
+        results.put(("ready", {"rank": rank}))
+        commands.get()  # go
+        model = None
         try:
-            dist.destroy_process_group()
-        except Exception:  # noqa: BLE001
-            pass
+            t0 = time.perf_counter()
+            model = STRATEGIES[strategy](ckpt, mesh, dtype, opts)
+            dist.barrier()
+            out: dict[str, Any] = {"rank": rank, "seconds": time.perf_counter() - t0}
+            out["peak_rss"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+            out["tie_held"] = _tie_held(model)
+            out["shard_bytes"] = sum(
+                (p.to_local() if hasattr(p, "to_local") else p).numel() * p.element_size()
+                for p in model.parameters()
+            )
+            out["bytes_moved"] = getattr(getattr(model, "streamload_report", None), "payload_bytes", 0)
+            results.put(("timed", out))
+            if opts.get("verify", True):
+                results.put(("verified", {"rank": rank, "mismatched": _verify(model, ckpt, dtype, rank)}))
+        except BaseException as exc:  # noqa: BLE001 - a failing strategy is a result, not a crash
+            results.put(
+                (
+                    "error",
+                    {"rank": rank, "error": f"{type(exc).__name__}: {exc}", "trace": traceback.format_exc()},
+                )
+            )
+        del model
+        gc.collect()
+        _trim()
+        results.put(("done", {"rank": rank}))
+    dist.destroy_process_group()
+
+
+def _trim() -> None:
+    """Returns freed heap pages to the OS so the next baseline is honest."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except OSError:
+        pass
+
+
+class BenchGroup:
+    """``world`` gloo ranks that run strategies one after another.
+
+    ``run_strategy`` uses a fresh group per strategy (the figures in the
+    README); the demo shares one group to stay quick.
+    """
+
+    def __init__(self, world: int) -> None:
+        ctx = mp.get_context("spawn")
+        fd, self.init_file = tempfile.mkstemp(prefix="streamload_bench_pg_")
+        os.close(fd)
+        os.unlink(self.init_file)
+        self.world = world
+        self._inbox: dict[str, list[dict[str, Any]]] = {}
+        self.commands = [ctx.Queue() for _ in range(world)]
+        self.results = ctx.Queue()
+        self.procs = [
+            ctx.Process(
+                target=_worker, args=(r, world, self.init_file, self.commands[r], self.results), daemon=True
+            )
+            for r in range(world)
+        ]
+        for p in self.procs:
+            p.start()
+
+    def _expect(self, kind: str, deadline: float) -> list[dict[str, Any]]:
+        # Ranks run ahead of each other: keep messages of later kinds for later.
+        while len(self._inbox.get(kind, [])) < self.world:
+            k, payload = self.results.get(timeout=max(1.0, deadline - time.time()))
+            if k == "error":
+                raise _StrategyFailed(payload["error"])
+            self._inbox.setdefault(k, []).append(payload)
+        got = self._inbox.pop(kind)
+        return sorted(got, key=lambda d: d["rank"])
+
+    def run(
+        self,
+        strategy: str,
+        ckpt: str,
+        *,
+        dtype: str = "bfloat16",
+        verify: bool = True,
+        timeout: float = 900.0,
+        **opts: Any,
+    ) -> RunResult:
+        """Loads ``ckpt`` with ``strategy`` on every rank and measures it."""
+        res = RunResult(strategy, self.world, ckpt, ok=False)
+        deadline = time.time() + timeout
+        self._inbox = {}
+        for q in self.commands:
+            q.put((strategy, ckpt, dtype, {**opts, "verify": verify}))
+        sampler: MemorySampler | None = None
+        try:
+            self._expect("ready", deadline)
+            time.sleep(0.3)  # let import-time allocations settle before the baseline
+            sampler = MemorySampler(anon_bytes())
+            for q in self.commands:
+                q.put("go")
+            timed = self._expect("timed", deadline)
+            sampler.stop()
+            res.ok = True
+            res.seconds = max(t["seconds"] for t in timed)
+            res.peak_rss = [t["peak_rss"] for t in timed]
+            res.shard_bytes = sum(t["shard_bytes"] for t in timed)
+            res.peak_anon_over_baseline = sampler.peak - sampler.baseline
+            res.overhead_bytes = res.peak_anon_over_baseline - res.shard_bytes
+            res.bytes_moved = max(t["bytes_moved"] for t in timed) or res.shard_bytes
+            res.gbps = res.bytes_moved / res.seconds / 1e9 if res.seconds else 0.0
+            ties = {t["tie_held"] for t in timed}
+            res.tie_held = None if ties == {None} else all(t is True for t in ties)
+            res.timeline = sampler.timeline
+            if verify:
+                verified = self._expect("verified", deadline)
+                res.mismatched = verified[0]["mismatched"]
+                res.correct = not res.mismatched
+            self._expect("done", deadline)
+        except _StrategyFailed as exc:
+            res.ok, res.error = False, str(exc)
+            try:
+                # Ranks still waiting in the failed strategy's collectives never finish.
+                self._expect("done", min(deadline, time.time() + 30))
+            except (queue.Empty, _StrategyFailed):
+                self.close(kill=True)
+        except queue.Empty:
+            res.ok, res.error = False, f"timed out after {timeout}s"
+            self.close(kill=True)
+        finally:
+            if sampler is not None:
+                sampler.stop()
+        return res
+
+    def close(self, kill: bool = False) -> None:
+        if not kill:
+            for q in self.commands:
+                q.put(None)
+        for p in self.procs:
+            p.join(timeout=1 if kill else 60)
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=10)
+        if os.path.exists(self.init_file):
+            os.unlink(self.init_file)
+
+
+class _StrategyFailed(Exception):
+    pass
 
 
 def run_strategy(
@@ -185,74 +297,8 @@ def run_strategy(
     **opts: Any,
 ) -> RunResult:
     """Loads ``ckpt`` with ``strategy`` on ``world`` fresh gloo ranks and measures it."""
-    ctx = mp.get_context("spawn")
-    fd, init_file = tempfile.mkstemp(prefix="streamload_bench_pg_")
-    os.close(fd)
-    os.unlink(init_file)
-    ready, results, go = ctx.Queue(), ctx.Queue(), ctx.Event()
-    procs = [
-        ctx.Process(
-            target=_worker,
-            args=(r, world, init_file, strategy, ckpt, dtype, {**opts, "verify": verify}, ready, go, results),
-            daemon=True,
-        )
-        for r in range(world)
-    ]
-    for p in procs:
-        p.start()
-    res = RunResult(strategy, world, ckpt, ok=False)
-    sampler: MemorySampler | None = None
+    group = BenchGroup(world)
     try:
-        for _ in range(world):
-            ready.get(timeout=300)
-        time.sleep(0.5)  # let import-time allocations settle before the baseline
-        sampler = MemorySampler(anon_bytes())
-        go.set()
-        timed: list[dict[str, Any]] = []
-        deadline = time.time() + timeout
-        while len(timed) < world:
-            kind, payload = results.get(timeout=max(1.0, deadline - time.time()))
-            if kind == "error":
-                res.error = payload["error"]
-                return res
-            if kind == "timed":
-                timed.append(payload)
-        sampler.stop()
-        res.ok = True
-        res.seconds = max(t["seconds"] for t in timed)
-        res.peak_rss = [t["peak_rss"] for t in sorted(timed, key=lambda t: t["rank"])]
-        res.shard_bytes = sum(t["shard_bytes"] for t in timed)
-        res.peak_anon_over_baseline = sampler.peak - sampler.baseline
-        res.overhead_bytes = res.peak_anon_over_baseline - res.shard_bytes
-        res.bytes_moved = max(t["bytes_moved"] for t in timed) or res.shard_bytes
-        res.gbps = res.bytes_moved / res.seconds / 1e9 if res.seconds else 0.0
-        ties = {t["tie_held"] for t in timed}
-        res.tie_held = None if ties == {None} else all(t is True for t in ties)
-        res.timeline = sampler.timeline
-        if verify:
-            verified = 0
-            while verified < world:
-                kind, payload = results.get(timeout=max(1.0, deadline - time.time()))
-                if kind == "error":
-                    res.correct, res.error = False, payload["error"]
-                    break
-                if kind == "verified":
-                    verified += 1
-                    if payload["rank"] == 0:
-                        res.mismatched = payload["mismatched"]
-            else:
-                res.correct = not res.mismatched
-        return res
-    except queue.Empty:
-        res.ok = False
-        res.error = f"timed out after {timeout}s"
-        return res
+        return group.run(strategy, ckpt, dtype=dtype, verify=verify, timeout=timeout, **opts)
     finally:
-        if sampler is not None:
-            sampler.stop()
-        for p in procs:
-            p.join(timeout=60)
-            if p.is_alive():
-                p.kill()
-        if os.path.exists(init_file):
-            os.unlink(init_file)
+        group.close()
