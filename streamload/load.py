@@ -372,12 +372,13 @@ def _stream(
         if unpack_it:
             unpack(plan.buckets[k], transport.rank, recv, locals_)
 
+    previous: tuple[Any, torch.Tensor] | None = None  # the status all-reduce of the last bucket
     try:
         for k, bucket in enumerate(plan.buckets):
+            send = None
             try:
                 if len(inflight) == depth:
                     finish()
-                send = None
                 if packer is not None and ring is not None:
                     packer.check_source()
                     send = packer.pack(bucket, ring[k])
@@ -387,18 +388,24 @@ def _stream(
                         bar.update(sum(seg.nbytes for segs in bucket.segments for seg in segs))
             except BaseException as exc:  # noqa: BLE001 - reported to every rank below
                 failure = exc
-            # Every rank learns of a failure here, before bucket k is posted.
-            if status.any_failed(failure is not None):
+            # All ranks read the same verdict on bucket k-1 here, so all stop at the same bucket.
+            if previous is not None and status.result(previous):
                 break
+            previous = status.post(failure is not None)
+            if send is None and ring is not None:
+                send = ring[k]  # a failed pack still takes part in the collective it announced
             recv = recv_ring[k % len(recv_ring)][: bucket.wire_bytes(transport.rank)]
             inflight.append((k, recv, transport.start(bucket, send, recv)))
         else:
-            try:
-                while inflight:
-                    finish()
-            except BaseException as exc:  # noqa: BLE001
-                failure = exc
-            if not status.any_failed(failure is not None):
+            failed = previous is not None and status.result(previous)
+            if not failed:
+                try:
+                    while inflight:
+                        finish()
+                except BaseException as exc:  # noqa: BLE001
+                    failure = exc
+                failed = status.any_failed(failure is not None)
+            if not failed:
                 return ring.peak_bytes if ring is not None else 0
         # Someone failed: finish the collectives already posted, then agree on the error.
         while inflight:

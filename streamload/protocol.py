@@ -54,15 +54,31 @@ def gather_or_raise(
 
 
 class StatusCheck:
-    """One-integer all-reduce per bucket: did any rank fail?"""
+    """One-integer all-reduce per bucket: did any rank fail?
+
+    ``post`` starts the all-reduce without waiting, and its result is read one
+    bucket later, so the check never makes the reader wait for the receivers
+    to finish unpacking the bucket just sent: the pipeline keeps its overlap.
+    """
 
     def __init__(self, group: dist.ProcessGroup | None, device: torch.device) -> None:
         self.group = group
-        self.flag = torch.zeros(1, dtype=torch.int32, device=device)
+        self.device = device
+        self.single = group is None or dist.get_world_size(group) == 1
+
+    def post(self, local_failed: bool) -> tuple[Any, torch.Tensor]:
+        flag = torch.full((1,), 1 if local_failed else 0, dtype=torch.int32, device=self.device)
+        if self.single:
+            return None, flag
+        work = dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group, async_op=True)
+        return work, flag
+
+    @staticmethod
+    def result(handle: tuple[Any, torch.Tensor]) -> bool:
+        work, flag = handle
+        if work is not None:
+            work.wait()
+        return bool(flag.item())
 
     def any_failed(self, local_failed: bool) -> bool:
-        if self.group is None or dist.get_world_size(self.group) == 1:
-            return local_failed
-        self.flag.fill_(1 if local_failed else 0)
-        dist.all_reduce(self.flag, op=dist.ReduceOp.MAX, group=self.group)
-        return bool(self.flag.item())
+        return self.result(self.post(local_failed))
