@@ -19,7 +19,9 @@ def setup() -> tuple[argparse.Namespace, object]:
     from torch.distributed.device_mesh import init_device_mesh
 
     ap = argparse.ArgumentParser()
-    ap.add_argument("--ckpt", default=None, help="checkpoint directory (default: a generated tiny tied model)")
+    ap.add_argument(
+        "--ckpt", default=None, help="checkpoint directory (default: a generated tiny tied model)"
+    )
     ap.add_argument("--model-type", default="qwen2")
     args = ap.parse_args()
     cuda = torch.cuda.is_available()
@@ -33,9 +35,21 @@ def setup() -> tuple[argparse.Namespace, object]:
             from streamload.synthetic import make_checkpoint
 
             kw = {"num_experts": 6} if "moe" in args.model_type else {}
-            box[0] = str(make_checkpoint(tempfile.mkdtemp(prefix="streamload_example_"), args.model_type, tie=True,
-                                         seed=7, layers=2, vocab=96, hidden_size=32, num_attention_heads=4,
-                                         num_key_value_heads=2, max_shard_size="16KB", **kw))
+            box[0] = str(
+                make_checkpoint(
+                    tempfile.mkdtemp(prefix="streamload_example_"),
+                    args.model_type,
+                    tie=True,
+                    seed=7,
+                    layers=2,
+                    vocab=96,
+                    hidden_size=32,
+                    num_attention_heads=4,
+                    num_key_value_heads=2,
+                    max_shard_size="16KB",
+                    **kw,
+                )
+            )
         dist.broadcast_object_list(box, src=0)
         args.ckpt = box[0]
     return args, mesh
@@ -60,4 +74,5 @@ def check(model: torch.nn.Module, ckpt: str, dtype: torch.dtype | None = None) -
     assert tie or not model.config.tie_word_embeddings, "tie lost"
     if dist.get_rank() == 0:
         print(f"OK: every parameter equals transformers' from_pretrained; tie held: {tie}", flush=True)
+    dist.barrier()
     dist.destroy_process_group()

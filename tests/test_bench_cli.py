@@ -10,17 +10,52 @@ from streamload.synthetic import make_checkpoint
 
 
 def test_bench_writes_json_table_and_plot(tmp_path: Path) -> None:
-    ckpt = make_checkpoint(tmp_path / "tiny", "qwen2", tie=True, seed=41, layers=2, vocab=61, hidden_size=24,
-                           intermediate_size=38, num_attention_heads=4, num_key_value_heads=2)
+    ckpt = make_checkpoint(
+        tmp_path / "tiny",
+        "qwen2",
+        tie=True,
+        seed=41,
+        layers=2,
+        vocab=61,
+        hidden_size=24,
+        intermediate_size=38,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    )
     out = tmp_path / "out"
-    assert main(["bench", str(ckpt), "--ranks", "2", "--strategies", "streamload", "rank0_broadcast", "dcp_hf",
-                 "--out", str(out)]) == 0
+    assert (
+        main(
+            [
+                "bench",
+                str(ckpt),
+                "--ranks",
+                "2",
+                "--strategies",
+                "streamload",
+                "rank0_broadcast",
+                "dcp_hf",
+                "--out",
+                str(out),
+            ]
+        )
+        == 0
+    )
     rows = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
     assert [r["strategy"] for r in rows] == ["streamload", "rank0_broadcast", "dcp_hf"]
     for r in rows:
         assert r["world"] == 2 and r["label"] == "tiny"
-        assert set(r) >= {"seconds", "peak_rss", "peak_anon_over_baseline", "overhead_bytes", "bytes_moved",
-                          "gbps", "correct", "tie_held", "ok", "error"}
+        assert set(r) >= {
+            "seconds",
+            "peak_rss",
+            "peak_anon_over_baseline",
+            "overhead_bytes",
+            "bytes_moved",
+            "gbps",
+            "correct",
+            "tie_held",
+            "ok",
+            "error",
+        }
         if r["ok"]:
             assert r["seconds"] > 0 and len(r["peak_rss"]) == 2 and all(x > 0 for x in r["peak_rss"])
         else:
