@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 import time
 import warnings
-from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -15,8 +14,8 @@ import torch.distributed as dist
 from torch import nn
 
 from .checkpoint import Checkpoint
-from .convert import FallbackSources, plan_conversions
-from .errors import KeyMismatchError, StreamloadError
+from .convert import FALLBACK_PREFIX, FallbackSources, plan_conversions
+from .errors import CheckpointError, KeyMismatchError, StreamloadError
 from .mapping import Table, match_keys
 from .model_state import (
     ModelState,
@@ -29,13 +28,13 @@ from .model_state import (
     record_state,
     restore_buffers,
 )
-from .pack import Packer, StagingRing
-from .plan import Placement, Plan, build_plan, validate_targets
-from .protocol import StatusCheck, gather_or_raise, portable
-from .report import LoadReport, progress_enabled
+from .plan import Placement, build_plan, validate_targets
+from .protocol import gather_or_raise, portable
+from .readers import ReaderChoice, choose
+from .report import LoadReport
 from .sources import Source, as_source
-from .transport import Transport, broadcast_object
-from .unpack import unpack
+from .stream import read_owned, scatter
+from .transport import broadcast_object
 
 # Measured on CPU/gloo (benchmarks/bench_memory.py): 64 MiB buckets load as
 # fast as 256 MiB ones with a quarter of the staging memory. NCCL links want
@@ -175,6 +174,7 @@ def load_checkpoint(
     device_mesh: Any = None,
     threads: int | None = None,
     read_mode: str = "auto",
+    readers: str = "auto",
     _source: tuple[Source | None, SourceMeta] | None = None,
 ) -> LoadReport:
     """Streams a safetensors checkpoint into an FSDP2 (or plain) model.
@@ -201,6 +201,12 @@ def load_checkpoint(
         device_mesh: the mesh the model is sharded on (for the device type).
         threads: native copy threads on the reader.
         read_mode: "auto", "mmap" or "pread".
+        readers: who reads: "src" (``src_rank`` reads and scatters), "owners"
+            (every rank reads its own shards, no transport), "node" (one
+            reader per node scatters within its node), or "auto" (the
+            default: owners when every rank sees the same files, node when
+            each node has a rank that does, else src). The choice and the
+            reason are in ``LoadReport.reader``.
 
     Returns:
         A LoadReport.
@@ -229,6 +235,10 @@ def load_checkpoint(
     state = record_state(model)
     ckpt, meta = _source or open_source(path, rank, src_rank, group, device, state, read_mode, threads)
     table = meta.table
+    src_group_rank = dist.get_group_rank(group, src_rank) if group is not None else 0
+    group_rank = dist.get_group_rank(group, rank) if group is not None else 0
+    in_memory = rank == src_rank and (ckpt is not None and not isinstance(path, (str, os.PathLike)))
+    choice = choose(readers, path, src_group_rank, group, device, in_memory)
     phase("open")
 
     # Every check that can be made before the first weight byte is made here;
@@ -263,6 +273,10 @@ def load_checkpoint(
         phase("materialize")
         tensors = [_lookup(model, t.name) for t in match.targets]
         mine = [local_placement(t) for t in tensors]
+        reads = choice.mode == "owners" or (choice.mode == "node" and group_rank in choice.node_readers)
+        if reads and ckpt is None:
+            ckpt = as_source(path, read_mode, threads)
+            _check_same_table(ckpt, meta.table)
     except BaseException as exc:  # noqa: BLE001 - reported to every rank, then re-raised
         local_error = exc
     placements = gather_or_raise(mine, local_error, rank, group, device)
@@ -276,16 +290,60 @@ def load_checkpoint(
             "the canonical tensor is loaded and the alias ignored (as transformers does)",
             stacklevel=2,
         )
-    src_group_rank = dist.get_group_rank(group, src_rank) if group is not None else 0
     locals_ = [local_tensor(t) for t in tensors]
-    if device.type == "cpu":
-        # The reader's own shards are filled from the files in place.
-        plan.set_direct(src_group_rank)
     phase("plan")
-    packer = None
-    if rank == src_rank and ckpt is not None:
-        packer = Packer(ckpt, plan, locals_, FallbackSources(conversion, ckpt, model))
-    peak = _stream(plan, rank, src_rank, group, device, packer, locals_, slots, progress)
+    fallbacks = FallbackSources(conversion, ckpt, model) if ckpt is not None else None
+    if choice.mode == "owners":
+        peak, bytes_read = read_owned(
+            plan, group_rank, group, device, ckpt, locals_, fallbacks, slots, progress
+        )
+    elif choice.mode == "node":
+        assert group is not None
+        node = next(i for i, ranks in enumerate(choice.nodes) if group_rank in ranks)
+        node_groups = [
+            dist.new_group([dist.get_global_rank(group, r) for r in ranks]) for ranks in choice.nodes
+        ]
+        node_ranks = choice.nodes[node]
+        reader = choice.node_readers[node]
+        node_plan = build_plan(
+            match.targets,
+            {k: v[0] for k, v in table.items()},
+            [placements[r] for r in node_ranks],
+            bucket_bytes,
+        )
+        failure: BaseException | None = None
+        peak, bytes_read = 0, 0
+        try:
+            peak, bytes_read = scatter(
+                node_plan,
+                node_ranks.index(group_rank),
+                node_ranks.index(reader),
+                dist.get_global_rank(group, reader),
+                node_groups[node],
+                device,
+                ckpt if group_rank == reader else None,
+                locals_,
+                fallbacks,
+                slots,
+                progress,
+            )
+        except BaseException as exc:  # noqa: BLE001 - other nodes must hear of it too
+            failure = exc
+        gather_or_raise(None, failure, rank, group, device)  # nothing else crossed between nodes
+    else:
+        peak, bytes_read = scatter(
+            plan,
+            group_rank,
+            src_group_rank,
+            src_rank,
+            group,
+            device,
+            ckpt if rank == src_rank else None,
+            locals_,
+            fallbacks,
+            slots,
+            progress,
+        )
 
     phase("stream")
     rebind_ties(model, state.ties)
@@ -295,9 +353,10 @@ def load_checkpoint(
     for b in plan.buckets:
         for r, segs in enumerate(b.segments):
             received[r] += sum(s.nbytes for s in segs)
+    readers_at = _reader_ranks(choice, src_group_rank, len(received))
     return LoadReport(
-        bytes_read=packer.bytes_read if packer else 0,
-        bytes_sent=sum(n for r, n in enumerate(received) if r != src_group_rank),
+        bytes_read=bytes_read,
+        bytes_sent=sum(n for r, n in enumerate(received) if r not in readers_at),
         payload_bytes=plan.payload_bytes,
         seconds=seconds,
         gbps=plan.payload_bytes / seconds / 1e9 if seconds > 0 else 0.0,
@@ -312,9 +371,28 @@ def load_checkpoint(
         tie_conflicts=meta.tie_conflicts,
         converted=match.converted,
         unrestored_buffers=unrestored,
-        reader="src",
+        reader=f"{choice.mode}: {choice.reason}",
         phases=phases,
     )
+
+
+def _reader_ranks(choice: ReaderChoice, src: int, world: int) -> set[int]:
+    if choice.mode == "owners":
+        return set(range(world))
+    if choice.mode == "node":
+        return set(choice.node_readers)
+    return {src}
+
+
+def _check_same_table(ckpt: Source, table: Table) -> None:
+    """A rank reading on its own must see the reader's tensor table exactly."""
+    mine = {t.name: (t.dtype, tuple(t.shape)) for t in ckpt.tensors}
+    theirs = {k: (v[0], tuple(v[1])) for k, v in table.items() if not k.startswith(FALLBACK_PREFIX)}
+    if mine != theirs:
+        diff = sorted(set(mine.items()) ^ set(theirs.items()))[:5]
+        raise CheckpointError(
+            f"this rank's checkpoint differs from the reader's: {diff}", str(getattr(ckpt, "path", ""))
+        )
 
 
 def _lookup(model: nn.Module, name: str) -> torch.Tensor:
@@ -325,93 +403,3 @@ def _lookup(model: nn.Module, name: str) -> torch.Tensor:
         t = mod._buffers[attr]
     assert t is not None
     return t
-
-
-def _stream(
-    plan: Plan,
-    rank: int,
-    src_rank: int,
-    group: dist.ProcessGroup | None,
-    device: torch.device,
-    packer: Packer | None,
-    locals_: list[torch.Tensor],
-    slots: int,
-    progress: bool | None,
-) -> int:
-    """Runs the bucket pipeline; returns the staging ring's peak bytes (reader)."""
-    transport = Transport(group, src_rank, device)
-    ring: StagingRing | None = None
-    dev_send: list[torch.Tensor] = []
-    if packer is not None and plan.buckets:
-        pin = device.type == "cuda"
-        ring = StagingRing(min(slots, len(plan.buckets)), plan.max_bucket_bytes, pin=pin)
-        packer.bytes_read = 0
-        if device.type != "cpu":
-            dev_send = [
-                torch.empty(plan.max_bucket_bytes, dtype=torch.uint8, device=device) for _ in ring.slots
-            ]
-    recv_len = plan.max_rank_bucket_bytes(transport.rank)
-    # Receivers hold one receive buffer (the memory contract); the reader keeps
-    # `slots` buckets in flight so packing k+1 overlaps the transport of k.
-    depth = max(1, min(slots, len(plan.buckets))) if packer is not None else 1
-    recv_ring = [
-        torch.empty(recv_len, dtype=torch.uint8, device=device) for _ in range(depth if recv_len else 1)
-    ]
-    bar = None
-    if packer is not None and progress_enabled(progress):
-        from tqdm.auto import tqdm
-
-        bar = tqdm(total=plan.payload_bytes, unit="B", unit_scale=True, unit_divisor=1024, desc="streamload")
-    inflight: deque[tuple[int, torch.Tensor, Any]] = deque()
-    status = StatusCheck(group, device)
-    failure: BaseException | None = None
-
-    def finish(unpack_it: bool = True) -> None:
-        k, recv, handle = inflight.popleft()
-        Transport.wait(handle)
-        if unpack_it:
-            unpack(plan.buckets[k], transport.rank, recv, locals_)
-
-    previous: tuple[Any, torch.Tensor] | None = None  # the status all-reduce of the last bucket
-    try:
-        for k, bucket in enumerate(plan.buckets):
-            send = None
-            try:
-                if len(inflight) == depth:
-                    finish()
-                if packer is not None and ring is not None:
-                    packer.check_source()
-                    send = packer.pack(bucket, ring[k])
-                    if dev_send:
-                        send = dev_send[k % len(dev_send)][: send.numel()].copy_(send, non_blocking=True)
-                    if bar is not None:
-                        bar.update(sum(seg.nbytes for segs in bucket.segments for seg in segs))
-            except BaseException as exc:  # noqa: BLE001 - reported to every rank below
-                failure = exc
-            # All ranks read the same verdict on bucket k-1 here, so all stop at the same bucket.
-            if previous is not None and status.result(previous):
-                break
-            previous = status.post(failure is not None)
-            if send is None and ring is not None:
-                send = ring[k]  # a failed pack still takes part in the collective it announced
-            recv = recv_ring[k % len(recv_ring)][: bucket.wire_bytes(transport.rank)]
-            inflight.append((k, recv, transport.start(bucket, send, recv)))
-        else:
-            failed = previous is not None and status.result(previous)
-            if not failed:
-                try:
-                    while inflight:
-                        finish()
-                except BaseException as exc:  # noqa: BLE001
-                    failure = exc
-                failed = status.any_failed(failure is not None)
-            if not failed:
-                return ring.peak_bytes if ring is not None else 0
-        # Someone failed: finish the collectives already posted, then agree on the error.
-        while inflight:
-            finish(unpack_it=False)
-        gather_or_raise(None, failure, transport.rank, group, device)
-        raise RuntimeError("unreachable: a failure was signalled but none was gathered")
-    finally:
-        if bar is not None:
-            bar.close()

@@ -113,14 +113,19 @@ class Packer:
         if check is not None:
             check()
 
-    def pack(self, bucket: Bucket, slot: torch.Tensor) -> torch.Tensor:
-        """Packs ``bucket`` into ``slot``; returns the filled prefix (the wire bytes)."""
-        if bucket.wire_total > slot.numel():
-            raise ValueError(
-                f"bucket of {bucket.wire_total} bytes exceeds the {slot.numel()}-byte staging slot"
-            )
+    def pack(self, bucket: Bucket, slot: torch.Tensor, only: int | None = None) -> torch.Tensor:
+        """Packs ``bucket`` into ``slot``; returns the filled prefix (the wire bytes).
+
+        With ``only``, packs that rank's segments alone: into its shards when
+        it is the bucket's direct rank, else to the start of ``slot``.
+        """
+        need = bucket.wire_total if only is None else bucket.wire_bytes(only)
+        if need > slot.numel():
+            raise ValueError(f"bucket of {need} bytes exceeds the {slot.numel()}-byte staging slot")
         batch = OpBatch()
         for rank, segs in enumerate(bucket.segments):
+            if only is not None and rank != only:
+                continue
             if rank == bucket.direct_rank:
                 for seg in segs:
                     local = self.locals[seg.target]
@@ -130,7 +135,7 @@ class Packer:
                         batch, seg, local, ST_DTYPES[local.dtype], strides, first, _extent_bytes(local)
                     )
                 continue
-            base = bucket.wire_base(rank)
+            base = bucket.wire_base(rank) if only is None else 0
             for seg in segs:
                 isz = ITEMSIZE[seg.wire_dtype]
                 seg_strides = contiguous_strides([hi - lo for lo, hi in seg.box])
@@ -142,4 +147,4 @@ class Packer:
             release = getattr(self.ckpt, "release", None)
             if release is not None:
                 release()
-        return slot[: bucket.wire_total]
+        return slot[:need]

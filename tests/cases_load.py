@@ -90,6 +90,9 @@ def case_from_pretrained(
     bucket_bytes: int = 4096,
     hsdp: bool = False,
     ref_ckpt: str | None = None,
+    readers: str = "auto",
+    all_see: bool = False,
+    nodes: int = 0,
 ) -> dict | None:
     if hsdp:
         from torch.distributed.device_mesh import init_device_mesh
@@ -99,10 +102,19 @@ def case_from_pretrained(
         mesh = mesh_for(ws)
         if mesh is None:
             return None
-    path = ckpt if rank == 0 else MISSING_PATH  # only the reader sees the files
-    model = streamload.from_pretrained(
-        path, device_mesh=mesh, dtype=dtype, bucket_bytes=bucket_bytes, progress=False
-    )
+    import os
+
+    if nodes:  # simulate `nodes` nodes on this machine; the first rank of each sees the files
+        os.environ["STREAMLOAD_NODE"] = str(rank * nodes // ws)
+        all_see = False
+    sees = all_see or rank == 0 or (nodes and rank * nodes // ws != (rank - 1) * nodes // ws)
+    path = ckpt if sees else MISSING_PATH  # by default only the reader sees the files
+    try:
+        model = streamload.from_pretrained(
+            path, device_mesh=mesh, dtype=dtype, bucket_bytes=bucket_bytes, progress=False, readers=readers
+        )
+    finally:
+        os.environ.pop("STREAMLOAD_NODE", None)
     ref = reference(ref_ckpt or ckpt, dtype)
     bad = compare_model(model, ref)
     assert not bad, f"differ from transformers: {bad}"

@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 import streamload
-import streamload.load as sl_load
+import streamload.stream as sl_load
 from streamload.pack import Packer
 
 

@@ -126,3 +126,46 @@ def test_strict_keys_raise_on_every_rank(group: RankGroup, ckpts) -> None:
 def test_harness_reports_failures(group: RankGroup, ckpts) -> None:
     with pytest.raises(CaseError, match="failed on ranks"):
         group.run(cases.case_from_pretrained, ckpt=str(Path(ckpts["tiny"]) / "nope"), ws=2)
+
+
+@pytest.mark.parametrize("ws", [2, 3, 4])
+def test_reader_modes(group: RankGroup, ckpts, ws: int) -> None:
+    for name in ("tied", "untied"):
+        for readers, all_see, want in [
+            ("owners", True, "owners"),
+            ("auto", True, "owners"),
+            ("src", True, "src"),
+            ("auto", False, "src"),
+        ]:
+            res = group.run(
+                cases.case_from_pretrained,
+                ckpt=ckpts[name],
+                ws=ws,
+                readers=readers,
+                all_see=all_see,
+                dtype=torch.float32,
+            )
+            reps = [r["report"] for r in res[:ws]]
+            assert all(r["reader"].startswith(want) for r in reps), (readers, reps[0]["reader"])
+            if want == "owners":
+                # No transport, and each byte of a sharded parameter is read exactly once across ranks.
+                assert all(r["bytes_sent"] == 0 for r in reps)
+                assert (
+                    sum(r["bytes_read"] for r in reps) == reps[0]["payload_bytes"]
+                )  # bf16 on the wire and read
+            else:
+                assert reps[0]["bytes_read"] > 0 and all(r["bytes_read"] == 0 for r in reps[1:])
+
+
+def test_node_readers_keep_traffic_inside_each_node(group: RankGroup, ckpts) -> None:
+    # Two simulated nodes of two ranks; the first rank of each sees the files.
+    for readers in ("node", "auto"):
+        res = group.run(cases.case_from_pretrained, ckpt=ckpts["untied"], ws=4, readers=readers, nodes=2)
+        reps = [r["report"] for r in res]
+        assert all(r["reader"].startswith("node") for r in reps), reps[0]["reader"]
+        assert reps[1]["bytes_read"] == reps[3]["bytes_read"] == 0
+        # Each node's reader read exactly its own node's shards.
+        received = reps[0]["bytes_received"]
+        assert reps[0]["bytes_read"] == received[0] + received[1]
+        assert reps[2]["bytes_read"] == received[2] + received[3]
+        assert reps[0]["bytes_sent"] == received[1] + received[3]  # only within nodes

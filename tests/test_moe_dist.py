@@ -120,3 +120,19 @@ def test_ingest_is_atomic(ckpts, tmp_path, monkeypatch: pytest.MonkeyPatch) -> N
     ing.ingest(ckpts["qwen3_moe"], dst, max_shard_size="20KB", dtype=torch.float32)
     with pytest.raises(Exception, match="destination exists"):
         ing.ingest(ckpts["qwen3_moe"], dst)
+
+
+@pytest.mark.parametrize("ws", [3, 4])
+def test_moe_owners_mode(group: RankGroup, ckpts, ws: int) -> None:
+    for mt in MODELS:
+        res = group.run(
+            cases.case_from_pretrained,
+            ckpt=ckpts[mt],
+            ws=ws,
+            bucket_bytes=3000,
+            readers="owners",
+            all_see=True,
+        )
+        assert all(r["report"]["reader"].startswith("owners") for r in res[:ws])
+    res = group.run(cases.case_from_pretrained, ckpt=ckpts["qwen2_moe"], ws=4, bucket_bytes=3000, nodes=2)
+    assert res[0]["report"]["reader"].startswith("node")

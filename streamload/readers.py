@@ -1,0 +1,124 @@
+"""Reader modes: who reads the checkpoint.
+
+- ``src``: one rank reads and scatters (the files may live on one node only).
+- ``owners``: every rank reads its own shards straight from the mapped files
+  (no transport; replicated tensors are read by each rank that holds them).
+- ``node``: one reader per node scatters to the ranks of its node; nothing
+  crosses between nodes.
+- ``auto``: ranks compare cheap fingerprints of the files they see (size and
+  a hash of each header, all-gathered) and pick owners, node or src.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import socket
+import struct
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from .transport import all_gather_object
+
+MODES = ("auto", "src", "owners", "node")
+
+
+def fingerprint(path: Any) -> tuple | None:
+    """(file name, size, sha1 of its header) per safetensors file, or None
+    when this rank does not see the checkpoint. Reads headers only."""
+    if path is None or not isinstance(path, (str, os.PathLike)):
+        return None
+    p = Path(path)
+    try:
+        files = [p] if p.is_file() else sorted(f for f in p.iterdir() if f.suffix == ".safetensors")
+        out = []
+        for f in files:
+            with open(f, "rb") as h:
+                head = h.read(8)
+                n = struct.unpack("<Q", head)[0] if len(head) == 8 else 0
+                digest = hashlib.sha1(head + h.read(min(n, 100_000_000))).hexdigest()
+            out.append((f.name, f.stat().st_size, digest))
+        return tuple(out) or None
+    except OSError:
+        return None
+
+
+def node_key() -> str:
+    """This process's node: STREAMLOAD_NODE, else torchrun's GROUP_RANK, else the host name."""
+    return os.environ.get("STREAMLOAD_NODE") or os.environ.get("GROUP_RANK") or socket.gethostname()
+
+
+@dataclass
+class ReaderChoice:
+    """The reader mode this load uses, why, and the node layout."""
+
+    mode: str
+    reason: str
+    nodes: list[list[int]] = field(default_factory=list)  # group ranks per node, in node order
+    node_readers: list[int] = field(default_factory=list)  # reader group rank per node
+
+
+def choose(
+    requested: str,
+    path: Any,
+    src: int,
+    group: dist.ProcessGroup | None,
+    device: torch.device,
+    has_source: bool,
+) -> ReaderChoice:
+    """Collective: every rank gets the same choice.
+
+    Args:
+        requested: one of MODES.
+        path: what this rank was given (a path, a Checkpoint, a dict, None).
+        src: the group rank of the designated reader.
+        has_source: the reader was given an in-memory source (dict or open
+            Checkpoint): only ``src`` can then read.
+    """
+    if requested not in MODES:
+        raise ValueError(f"readers must be one of {MODES}, not {requested!r}")
+    world = dist.get_world_size(group) if group is not None else 1
+    if world == 1 or requested == "src":
+        return ReaderChoice("src", "requested" if requested == "src" else "single process")
+    mine = (node_key(), fingerprint(path), has_source)
+    seen = all_gather_object(mine, group, device)
+    has_source = bool(seen[src][2])
+    keys = [s[0] for s in seen]
+    order: list[str] = []
+    for k in keys:
+        if k not in order:
+            order.append(k)
+    nodes = [[r for r in range(world) if keys[r] == k] for k in order]
+    reference = seen[src][1]
+    sees = [s[1] is not None and s[1] == reference for s in seen]
+    if reference is None or has_source:
+        if requested in ("owners", "node"):
+            raise ValueError(
+                f"readers={requested!r} needs the checkpoint as a path that every reader can open"
+            )
+        return ReaderChoice(
+            "src",
+            "only the reader has the checkpoint (in memory)"
+            if has_source
+            else "the reader's checkpoint could not be fingerprinted",
+        )
+    if requested == "owners" or (requested == "auto" and all(sees)):
+        if not all(sees):
+            missing = [r for r in range(world) if not sees[r]]
+            raise ValueError(f"readers='owners' but ranks {missing} do not see the same files as rank {src}")
+        return ReaderChoice("owners", "every rank sees the same files (size and header hash)", nodes)
+    node_readers = []
+    for ranks in nodes:
+        seeing = [r for r in ranks if sees[r]]
+        node_readers.append(src if src in ranks else (seeing[0] if seeing else -1))
+    if requested == "node" or (requested == "auto" and len(nodes) > 1 and all(r >= 0 for r in node_readers)):
+        if any(r < 0 for r in node_readers):
+            raise ValueError("readers='node' but some node has no rank that sees the checkpoint")
+        return ReaderChoice(
+            "node", f"{len(nodes)} nodes, each with a rank that sees the files", nodes, node_readers
+        )
+    return ReaderChoice("src", f"only {sum(sees)} of {world} ranks see the files", nodes)
