@@ -11,7 +11,16 @@ from .runner import run_strategy
 from .strategies import STRATEGIES
 from .table import markdown_table, write_jsonl
 
-DEFAULT_STRATEGIES = ["streamload", "rank0_broadcast", "all_ranks", "accelerate_efficient", "dcp_hf"]
+DEFAULT_STRATEGIES = [
+    "streamload",
+    "streamload_owners",
+    "streamload_auto",
+    "rank0_broadcast",
+    "all_ranks",
+    "accelerate_efficient",
+    "dcp_hf",
+    "hf_native",
+]
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

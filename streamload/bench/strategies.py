@@ -45,6 +45,35 @@ def load_streamload(ckpt: str, mesh: Any, dtype: torch.dtype, opts: dict[str, An
     return streamload.from_pretrained(path, device_mesh=mesh, dtype=dtype, progress=False, **kw)
 
 
+def load_streamload_owners(ckpt: str, mesh: Any, dtype: torch.dtype, opts: dict[str, Any]) -> nn.Module:
+    """Every rank reads its own shards (readers="owners"): no transport."""
+    import streamload
+
+    kw = {k: opts[k] for k in ("bucket_bytes",) if k in opts}
+    return streamload.from_pretrained(
+        ckpt, device_mesh=mesh, dtype=dtype, progress=False, readers="owners", **kw
+    )
+
+
+def load_streamload_auto(ckpt: str, mesh: Any, dtype: torch.dtype, opts: dict[str, Any]) -> nn.Module:
+    """Every rank is given the path; streamload picks the reader mode."""
+    import streamload
+
+    kw = {k: opts[k] for k in ("bucket_bytes",) if k in opts}
+    return streamload.from_pretrained(
+        ckpt, device_mesh=mesh, dtype=dtype, progress=False, readers="auto", **kw
+    )
+
+
+def load_hf_native(ckpt: str, mesh: Any, dtype: torch.dtype, opts: dict[str, Any]) -> nn.Module:
+    """transformers' own distributed from_pretrained (DistributedConfig with FSDP2)."""
+    from transformers.distributed.configuration_utils import DistributedConfig
+
+    return _quiet_from_pretrained(
+        ckpt, dtype, distributed_config=DistributedConfig(fsdp_size=dist.get_world_size())
+    )
+
+
 def load_rank0_broadcast(ckpt: str, mesh: Any, dtype: torch.dtype, opts: dict[str, Any]) -> nn.Module:
     """verl's way: rank 0 from_pretrained, others meta, fully_shard,
     set_model_state_dict(broadcast_from_rank0=True), buffers broadcast, tie_weights."""
@@ -122,8 +151,11 @@ def load_dcp_hf(ckpt: str, mesh: Any, dtype: torch.dtype, opts: dict[str, Any]) 
 
 STRATEGIES: dict[str, Callable[[str, Any, torch.dtype, dict[str, Any]], nn.Module]] = {
     "streamload": load_streamload,
+    "streamload_owners": load_streamload_owners,
+    "streamload_auto": load_streamload_auto,
     "rank0_broadcast": load_rank0_broadcast,
     "all_ranks": load_all_ranks,
     "accelerate_efficient": load_accelerate_efficient,
     "dcp_hf": load_dcp_hf,
+    "hf_native": load_hf_native,
 }
