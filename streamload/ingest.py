@@ -29,8 +29,8 @@ from .copy_ops import ITEMSIZE, ST_DTYPES, OpBatch, contiguous_strides
 from .errors import CheckpointError, KeyMismatchError
 from .mapping import match_keys
 from .model_state import ignore_patterns, record_state
+from .pack import add_box_ops
 from .plan import Target, validate_targets
-from .regions import regions_for_box
 
 ALIGN = 8
 
@@ -214,47 +214,13 @@ def _fill(
     """One target at a time: its source regions straight into the mapped file."""
     for t, dtype, begin, _end in entries:
         batch = OpBatch()
-        keep = []
+        keep: list[torch.Tensor] = []
         box = tuple((0, s) for s in t.shape)
         dst_strides = contiguous_strides(t.shape)
         first, misaligned = divmod(data_start + begin, ITEMSIZE[dtype])
         if misaligned:
             raise CheckpointError("misaligned output tensor", tensor=t.name)
-        for reg in regions_for_box(t.pieces, box):
-            shape: tuple[int, ...]
-            if reg.key in fallbacks:
-                v = fallbacks.tensor(reg.key)
-                keep.append(v)
-                file, src, nbytes, sdt, shape = (
-                    -1,
-                    v.data_ptr(),
-                    v.numel() * v.element_size(),
-                    ST_DTYPES[v.dtype],
-                    tuple(v.shape),
-                )
-            else:
-                info = ckpt.info(reg.key)
-                file, src, nbytes, sdt, shape = (
-                    info.file_index,
-                    info.begin,
-                    info.nbytes,
-                    info.dtype,
-                    info.shape,
-                )
-            full = contiguous_strides(shape)
-            batch.add(
-                file=file,
-                src=src,
-                src_nbytes=nbytes,
-                src_dtype=sdt,
-                dst=out,
-                dst_dtype=dtype,
-                shape=reg.shape,
-                src_strides=[0 if d is None else full[d] for d in reg.dims],
-                dst_strides=dst_strides,
-                src_offset=sum(s * st for s, st in zip(reg.src_start, full, strict=True)),
-                dst_offset=first + sum(b * st for b, st in zip(reg.box_start, dst_strides, strict=True)),
-            )
+        add_box_ops(batch, ckpt, t.pieces, box, out, dtype, dst_strides, first, None, fallbacks, keep)
         batch.execute(ckpt.engine, ckpt.files)
         keep.clear()
 

@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ._native import default_threads
 from .checkpoint import Checkpoint
 from .convert import FALLBACK_PREFIX, FallbackSources, plan_conversions
 from .errors import CheckpointError, KeyMismatchError, StreamloadError
@@ -275,6 +276,10 @@ def load_checkpoint(
         mine = [local_placement(t) for t in tensors]
         reads = choice.mode == "owners" or (choice.mode == "node" and group_rank in choice.node_readers)
         if reads and ckpt is None:
+            if threads is None and choice.mode == "owners" and choice.nodes:
+                # Ranks of a node read at once: share its cores rather than oversubscribe them.
+                local = next(len(ranks) for ranks in choice.nodes if group_rank in ranks)
+                threads = max(1, default_threads() // local)
             ckpt = as_source(path, read_mode, threads)
             _check_same_table(ckpt, meta.table)
     except BaseException as exc:  # noqa: BLE001 - reported to every rank, then re-raised

@@ -12,7 +12,7 @@ import torch
 
 from .copy_ops import ITEMSIZE, ST_DTYPES, OpBatch, contiguous_strides
 from .plan import Bucket, Plan, Segment
-from .regions import regions_for_box
+from .regions import Box, SourcePiece, regions_for_box
 from .sources import Source
 
 
@@ -38,6 +38,58 @@ def _extent_bytes(t: torch.Tensor) -> int:
         return 0
     last = sum((n - 1) * st for n, st in zip(t.shape, t.stride(), strict=True))
     return (last + 1) * t.element_size()
+
+
+def add_box_ops(
+    batch: OpBatch,
+    source: Source,
+    pieces: Sequence[SourcePiece],
+    box: Box,
+    dst: torch.Tensor,
+    dst_dtype: str,
+    dst_strides: list[int],
+    first: int,
+    dst_nbytes: int | None = None,
+    virtual: Any = None,
+    keep: list[torch.Tensor] | None = None,
+) -> None:
+    """Adds the copy ops that fill ``box`` of a destination tiled by ``pieces``.
+
+    Args:
+        batch: where the ops go.
+        source: the checkpoint (or state dict) the pieces read from.
+        pieces: the destination's region algebra.
+        box: the destination box to fill, global coordinates.
+        dst: the tensor written; ``first`` is the element offset of the box's
+            first element from ``dst.data_ptr()``, ``dst_strides`` its strides.
+        virtual: FallbackSources for keys built by transformers' own ops;
+            their tensors are appended to ``keep`` until the batch has run.
+    """
+    for reg in regions_for_box(pieces, box):
+        if virtual is not None and reg.key in virtual:
+            t = virtual.tensor(reg.key)
+            if keep is not None:
+                keep.append(t)
+            file, src, nbytes, dtype = -1, t.data_ptr(), t.numel() * t.element_size(), ST_DTYPES[t.dtype]
+            shape: tuple[int, ...] = tuple(t.shape)
+        else:
+            info = source.info(reg.key)
+            file, src, nbytes, dtype, shape = info.file_index, info.begin, info.nbytes, info.dtype, info.shape
+        full = contiguous_strides(shape)
+        batch.add(
+            file=file,
+            src=src,
+            src_nbytes=nbytes,
+            src_dtype=dtype,
+            dst=dst,
+            dst_dtype=dst_dtype,
+            dst_nbytes=dst_nbytes,
+            shape=reg.shape,
+            src_strides=[0 if d is None else full[d] for d in reg.dims],
+            dst_strides=dst_strides,
+            src_offset=sum(s * st for s, st in zip(reg.src_start, full, strict=True)),
+            dst_offset=first + sum(b * st for b, st in zip(reg.box_start, dst_strides, strict=True)),
+        )
 
 
 class Packer:
@@ -69,42 +121,19 @@ class Packer:
         first: int,
         dst_nbytes: int | None = None,
     ) -> None:
-        target = self.plan.targets[seg.target]
-        for reg in regions_for_box(target.pieces, seg.box):
-            if self.virtual is not None and reg.key in self.virtual:
-                t = self.virtual.tensor(reg.key)
-                self._keep.append(t)
-                file, src, nbytes, dtype, shape = (
-                    -1,
-                    t.data_ptr(),
-                    t.numel() * t.element_size(),
-                    ST_DTYPES[t.dtype],
-                    t.shape,
-                )
-            else:
-                info = self.ckpt.info(reg.key)
-                file, src, nbytes, dtype, shape = (
-                    info.file_index,
-                    info.begin,
-                    info.nbytes,
-                    info.dtype,
-                    info.shape,
-                )
-            src_strides_full = contiguous_strides(shape)
-            batch.add(
-                file=file,
-                src=src,
-                src_nbytes=nbytes,
-                src_dtype=dtype,
-                dst=dst,
-                dst_dtype=dst_dtype,
-                dst_nbytes=dst_nbytes,
-                shape=reg.shape,
-                src_strides=[0 if d is None else src_strides_full[d] for d in reg.dims],
-                dst_strides=dst_strides,
-                src_offset=sum(s * st for s, st in zip(reg.src_start, src_strides_full, strict=True)),
-                dst_offset=first + sum(b * st for b, st in zip(reg.box_start, dst_strides, strict=True)),
-            )
+        add_box_ops(
+            batch,
+            self.ckpt,
+            self.plan.targets[seg.target].pieces,
+            seg.box,
+            dst,
+            dst_dtype,
+            dst_strides,
+            first,
+            dst_nbytes,
+            self.virtual,
+            self._keep,
+        )
 
     def check_source(self) -> None:
         """Raises CheckpointFileError if a file shrank since it was opened (a

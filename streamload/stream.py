@@ -19,6 +19,40 @@ from .transport import Transport
 from .unpack import unpack
 
 
+class DeviceStager:
+    """Pinned staging slot -> device buffer, on a dedicated copy stream.
+
+    Events keep a pinned slot from being repacked before its copy finished,
+    and the collective from starting before its bytes landed, so packing
+    bucket k+2, copying k+1 to the device and scattering k overlap.
+    """
+
+    def __init__(self, slots: int, nbytes: int, device: torch.device) -> None:
+        self.buffers = [torch.empty(nbytes, dtype=torch.uint8, device=device) for _ in range(slots)]
+        self.stream = torch.cuda.Stream(device)
+        self.copied: list[Any] = [None] * slots
+
+    def before_pack(self, k: int) -> None:
+        """Waits until the pinned slot of bucket k is free again."""
+        event = self.copied[k % len(self.buffers)]
+        if event is not None:
+            event.synchronize()
+
+    def push(self, k: int, host: torch.Tensor) -> torch.Tensor:
+        """Starts the host-to-device copy of bucket k; returns the device bytes."""
+        buf = self.buffers[k % len(self.buffers)][: host.numel()]
+        # The buffer's last collective was waited on the compute stream: order after it.
+        self.stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(self.stream):
+            buf.copy_(host, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record(self.stream)
+        self.copied[k % len(self.buffers)] = event
+        # NCCL waits on the current stream when the collective is enqueued.
+        torch.cuda.current_stream().wait_event(event)
+        return buf
+
+
 def _progress_bar(total: int, enabled: bool | None) -> Any:
     if not progress_enabled(enabled):
         return None
@@ -48,6 +82,8 @@ def scatter(
     if device.type == "cpu":
         # The reader's own shards are filled from the files in place.
         plan.set_direct(src_group_rank)
+    elif device.type == "cuda":
+        slots = max(slots, 3)  # pack k+2, copy k+1 to the device, scatter k
     packer = Packer(source, plan, locals_, fallbacks) if source is not None else None
     peak = _stream(plan, group_rank, src_rank, group, device, packer, locals_, slots, progress)
     return peak, packer.bytes_read if packer is not None else 0
@@ -117,15 +153,13 @@ def _stream(
     """Runs the bucket pipeline; returns the staging ring's peak bytes (reader)."""
     transport = Transport(group, src_rank, device)
     ring: StagingRing | None = None
-    dev_send: list[torch.Tensor] = []
+    stager: DeviceStager | None = None
     if packer is not None and plan.buckets:
         pin = device.type == "cuda"
         ring = StagingRing(min(slots, len(plan.buckets)), plan.max_bucket_bytes, pin=pin)
         packer.bytes_read = 0
-        if device.type != "cpu":
-            dev_send = [
-                torch.empty(plan.max_bucket_bytes, dtype=torch.uint8, device=device) for _ in ring.slots
-            ]
+        if device.type == "cuda":
+            stager = DeviceStager(len(ring.slots), plan.max_bucket_bytes, device)
     recv_len = plan.max_rank_bucket_bytes(transport.rank)
     # Receivers hold one receive buffer (the memory contract); the reader keeps
     # `slots` buckets in flight so packing k+1 overlaps the transport of k.
@@ -153,9 +187,11 @@ def _stream(
                     finish()
                 if packer is not None and ring is not None:
                     packer.check_source()
+                    if stager is not None:
+                        stager.before_pack(k)
                     send = packer.pack(bucket, ring[k])
-                    if dev_send:
-                        send = dev_send[k % len(dev_send)][: send.numel()].copy_(send, non_blocking=True)
+                    if stager is not None:
+                        send = stager.push(k, send)
                     if bar is not None:
                         bar.update(sum(seg.nbytes for segs in bucket.segments for seg in segs))
             except BaseException as exc:  # noqa: BLE001 - reported to every rank below
@@ -165,7 +201,8 @@ def _stream(
                 break
             previous = status.post(failure is not None)
             if send is None and ring is not None:
-                send = ring[k]  # a failed pack still takes part in the collective it announced
+                # A failed pack still takes part in the collective it announced.
+                send = stager.buffers[k % len(stager.buffers)] if stager is not None else ring[k]
             recv = recv_ring[k % len(recv_ring)][: bucket.wire_bytes(transport.rank)]
             inflight.append((k, recv, transport.start(bucket, send, recv)))
         else:
@@ -187,3 +224,8 @@ def _stream(
     finally:
         if bar is not None:
             bar.close()
+        if device.type == "cuda":
+            # Give the staging and receive buffers back, cached blocks included.
+            del recv_ring, stager
+            torch.cuda.synchronize(device)
+            torch.cuda.empty_cache()

@@ -236,3 +236,33 @@ def test_mapped_file_truncated_while_open_is_an_error_not_a_crash(tmp_path: Path
     for _ in range(2):  # and again: the guard stays installed
         with pytest.raises(streamload.CheckpointFileError, match="truncated"):
             ckpt.read("w")
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    st.lists(st.tuples(st.integers(0, len(REAL) - 1), st.integers(0, 255)), min_size=1, max_size=6),
+    st.sampled_from(["mmap", "pread"]),
+)
+def test_fuzz_checkpoint_over_mutated_files(mutations: list[tuple[int, int]], mode: str) -> None:
+    """Checkpoint (open, table, every read) on mutated real files: a named
+    error or a correct read, never a crash or a read outside the file."""
+    import tempfile
+
+    data = bytearray(REAL)
+    for pos, val in mutations:
+        data[pos] = val
+    with tempfile.TemporaryDirectory() as d:
+        path = Path(d) / "m.safetensors"
+        path.write_bytes(bytes(data))
+        try:
+            ckpt = streamload.Checkpoint(path, mode=mode)
+        except streamload.StreamloadError as exc:
+            assert exc.file is not None
+            return
+        for info in ckpt.tensors:
+            assert info.offset + info.nbytes <= len(data)
+            try:
+                t = ckpt.read(info.name)
+            except streamload.StreamloadError:
+                continue
+            assert tuple(t.shape) == info.shape
