@@ -29,7 +29,7 @@ def run_demo(world_size: int = 4, keep: str | None = None) -> int:
         group = BenchGroup(world_size)
         rows = []
         try:
-            for strategy in ("streamload", "rank0_broadcast", "all_ranks"):
+            for strategy in ("streamload", "streamload_owners", "rank0_broadcast", "all_ranks"):
                 r = group.run(strategy, str(ckpt), timeout=300)
                 rows.append(r)
                 if not r.ok:
