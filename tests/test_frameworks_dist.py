@@ -75,7 +75,7 @@ def test_receivers_allocate_only_shards_plus_one_bucket(group: RankGroup, ckpts)
     bucket = 4 * MiB
     res = group.run(cases.case_receiver_memory, ckpt=ckpts["big"], ws=3, bucket_bytes=bucket)
     for r in res[1:]:
-        # Shards + one receive buffer (+ a fixed 16 MiB for allocator and Python slack),
+        # Shards + one receive buffer (+ a fixed 24 MiB for allocator, gloo and Python slack),
         # far below the full model that a broadcast receiver would allocate.
-        assert r["growth"] <= r["shards"] + bucket + 16 * MiB, r
-        assert r["model"] > r["shards"] + bucket + 16 * MiB, r
+        assert r["growth"] <= r["shards"] + bucket + 24 * MiB, r
+        assert r["model"] > r["shards"] + bucket + 24 * MiB, r
