@@ -91,6 +91,9 @@ def main() -> None:
             row["seconds"] = time.perf_counter() - t0
             out.write(json.dumps(row) + "\n")
             out.flush()
+    # Tear down together: a rank that destroys its group while a peer is still
+    # finishing the last collective can abort in gloo's teardown.
+    dist.barrier()
     dist.destroy_process_group()
 
 

@@ -40,6 +40,9 @@ def _worker(rank: int, world: int, init_file: str, commands: Any, results: Any) 
             results.put((rank, True, fn(rank, world, **kwargs)))
         except BaseException as exc:  # noqa: BLE001 - report everything to the parent
             results.put((rank, False, f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
+    # Tear down together: a rank that destroys its group while a peer is still
+    # finishing the last collective can abort in gloo's teardown.
+    dist.barrier()
     dist.destroy_process_group()
 
 

@@ -165,6 +165,9 @@ def _worker(rank: int, world: int, init_file: str, commands: Any, results: Any) 
         gc.collect()
         _trim()
         results.put(("done", {"rank": rank}))
+    # Tear down together: a rank that destroys its group while a peer is still
+    # finishing the last collective can abort in gloo's teardown.
+    dist.barrier()
     dist.destroy_process_group()
 
 
