@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from .copy_ops import TORCH_DTYPES
-from .regions import SourcePiece, identity_piece, intersect
+from .regions import SourcePiece, identity_piece, regions_for_box
 
 Table = dict[str, tuple[str, tuple[int, ...], str]]
 FALLBACK_PREFIX = "streamload:fallback:"
@@ -86,20 +86,13 @@ def _transpose(v: Sym, d0: int, d1: int) -> Sym:
 
 def _narrow(v: Sym, dim: int, start: int, size: int) -> Sym:
     box = tuple((start, start + size) if d == dim else (0, s) for d, s in enumerate(v.shape))
-    out = []
-    for p in v.pieces:
-        inter = intersect(p.dst_box, box)
-        if inter is None:
-            continue
-        src_start = list(p.src_start)
-        for d, s in enumerate(p.dims):
-            if s is not None:
-                src_start[s] += inter[d][0] - p.dst_start[d]
-        dst = tuple(lo - (start if d == dim else 0) for d, (lo, _) in enumerate(inter))
-        out.append(SourcePiece(p.key, dst, tuple(hi - lo for lo, hi in inter), tuple(src_start), p.dims))
+    # The regions that fill the box, placed relative to it, are the narrowed pieces.
+    pieces = [
+        SourcePiece(r.key, r.box_start, r.shape, r.src_start, r.dims) for r in regions_for_box(v.pieces, box)
+    ]
     shape = list(v.shape)
     shape[dim] = size
-    return Sym(tuple(shape), out)
+    return Sym(tuple(shape), pieces)
 
 
 def _chunk(v: Sym, dim: int, n: int) -> list[Sym]:

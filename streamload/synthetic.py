@@ -93,7 +93,12 @@ def randomize_(model: torch.nn.Module, seed: int = 0) -> torch.nn.Module:
         # Persistent floating buffers are saved too (e.g. DeepSeek's
         # e_score_correction_bias): random values prove they are loaded.
         for name, b in list(module._buffers.items()):
-            if b is None or name in module._non_persistent_buffers_set or not b.is_floating_point() or b.is_meta:
+            if (
+                b is None
+                or name in module._non_persistent_buffers_set
+                or not b.is_floating_point()
+                or b.is_meta
+            ):
                 continue
             b.copy_((torch.randn(b.shape, generator=gen) * 0.05).to(b.dtype))
     # accelerate's init_empty_weights re-registers tied parameters as separate

@@ -104,3 +104,48 @@ def test_progress_switch(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("STREAMLOAD_PROGRESS")
     assert progress_enabled(True) is True and progress_enabled(False) is False
     assert progress_enabled(None) is os.isatty(2)
+
+
+def _materialize(sym, sources):
+    """Fills a symbolic tensor from its pieces, the way the packer's copy ops do."""
+    import torch
+
+    out = torch.full(sym.shape, float("nan"))
+    for r in regions_for_box(sym.pieces, tuple((0, s) for s in sym.shape)):
+        src = sources[r.key]
+        index = [slice(None)] * src.dim()
+        order = []  # source dims in destination order (a transpose reorders them)
+        for i, d in enumerate(r.dims):
+            if d is not None:
+                index[d] = slice(r.src_start[d], r.src_start[d] + r.shape[i])
+                order.append(d)
+        view = src[tuple(index)].permute(*order)
+        out[tuple(slice(b, b + n) for b, n in zip(r.box_start, r.shape, strict=True))] = view.reshape(r.shape)
+    return out
+
+
+def test_symbolic_ops_equal_torch() -> None:
+    """stack / cat / chunk / transpose on pieces equal torch's ops on the tensors."""
+    import torch
+
+    from streamload.convert import Sym, _cat, _chunk, _stack, _transpose
+
+    gen = torch.Generator().manual_seed(0)
+    srcs = {f"e{e}.{p}": torch.randn(3, 4, generator=gen) for e in range(3) for p in ("g", "u")}
+
+    def leaf(k):
+        return Sym((3, 4), [identity_piece(k, (3, 4))])
+
+    fused = _cat(
+        [_stack([leaf(f"e{e}.g") for e in range(3)], 0), _stack([leaf(f"e{e}.u") for e in range(3)], 0)], 1
+    )
+    ref = torch.cat(
+        [torch.stack([srcs[f"e{e}.g"] for e in range(3)]), torch.stack([srcs[f"e{e}.u"] for e in range(3)])],
+        1,
+    )
+    assert torch.equal(_materialize(fused, srcs), ref)
+    for part, want in zip(_chunk(fused, 1, 2), torch.chunk(ref, 2, 1), strict=True):
+        assert torch.equal(_materialize(part, srcs), want)
+    for part, want in zip(_chunk(fused, 2, 3), torch.chunk(ref, 3, 2), strict=True):  # uneven: 2+2 of 4
+        assert torch.equal(_materialize(part, srcs), want)
+    assert torch.equal(_materialize(_transpose(leaf("e0.g"), 0, 1), srcs), srcs["e0.g"].t())
