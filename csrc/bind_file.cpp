@@ -47,6 +47,7 @@ void bind_file(py::module_& m) {
       .def_property_readonly("path", &MappedFile::path)
       .def_property_readonly("file_size", &MappedFile::file_size)
       .def_property_readonly("mapped", &MappedFile::mapped)
+      .def_property_readonly("fileno", &MappedFile::fileno)
       .def_property_readonly("header_len", [](const MappedFile& f) { return f.header().header_len; })
       .def_property_readonly("data_start", [](const MappedFile& f) { return f.header().data_start; })
       .def_property_readonly("data_size", [](const MappedFile& f) { return f.header().data_size; })

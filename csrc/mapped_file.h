@@ -32,6 +32,8 @@ class MappedFile {
   const Header& header() const { return header_; }
   uint64_t file_size() const { return file_size_; }
   bool mapped() const { return map_ != nullptr; }
+  // The open read-only descriptor (valid while this object lives).
+  int fileno() const { return fd_; }
   // Start of the data section in the mapping, or nullptr in pread mode.
   const char* data() const { return map_ ? static_cast<const char*>(map_) + header_.data_start : nullptr; }
 

@@ -17,6 +17,7 @@ from ._native import default_threads
 from .checkpoint import Checkpoint
 from .convert import FALLBACK_PREFIX, FallbackSources, plan_conversions
 from .errors import CheckpointError, KeyMismatchError, StreamloadError
+from .mapped import MappedShards, map_shards, resync_fsdp
 from .mapping import Table, match_keys
 from .model_state import (
     ModelState,
@@ -176,6 +177,7 @@ def load_checkpoint(
     threads: int | None = None,
     read_mode: str = "auto",
     readers: str = "auto",
+    map_files: bool = True,
     _source: tuple[Source | None, SourceMeta] | None = None,
 ) -> LoadReport:
     """Streams a safetensors checkpoint into an FSDP2 (or plain) model.
@@ -208,6 +210,12 @@ def load_checkpoint(
             default: owners when every rank sees the same files, node when
             each node has a rank that does, else src). The choice and the
             reason are in ``LoadReport.reader``.
+        map_files: on the CPU, a shard this rank reads itself that is one
+            contiguous run of one checkpoint tensor in the parameter's dtype
+            becomes a copy-on-write view of the file (as safetensors gives
+            CPU tensors) rather than a copy; the file is never written.
+            False: private copies (choose it if the files may be rewritten
+            in place while the model lives).
 
     Returns:
         A LoadReport.
@@ -296,11 +304,17 @@ def load_checkpoint(
             stacklevel=2,
         )
     locals_ = [local_tensor(t) for t in tensors]
+    mapped = MappedShards()
+    if map_files and device.type == "cpu" and isinstance(ckpt, Checkpoint) and mine:
+        if group_rank in _reader_ranks(choice, src_group_rank, plan.world_size):
+            mapped = map_shards(plan.targets, [p.box for p in mine], tensors, locals_, ckpt)
+            if mapped.targets:
+                resync_fsdp(model, [tensors[i] for i in mapped.targets])
     phase("plan")
     fallbacks = FallbackSources(conversion, ckpt, model) if ckpt is not None else None
     if choice.mode == "owners":
         peak, bytes_read = read_owned(
-            plan, group_rank, group, device, ckpt, locals_, fallbacks, slots, progress
+            plan, group_rank, group, device, ckpt, locals_, fallbacks, slots, progress, mapped.targets
         )
     elif choice.mode == "node":
         assert group is not None
@@ -331,6 +345,7 @@ def load_checkpoint(
                 fallbacks,
                 slots,
                 progress,
+                mapped.targets,
             )
         except BaseException as exc:  # noqa: BLE001 - other nodes must hear of it too
             failure = exc
@@ -348,6 +363,7 @@ def load_checkpoint(
             fallbacks,
             slots,
             progress,
+            mapped.targets,
         )
 
     phase("stream")
@@ -361,6 +377,7 @@ def load_checkpoint(
     readers_at = _reader_ranks(choice, src_group_rank, len(received))
     return LoadReport(
         bytes_read=bytes_read,
+        bytes_mapped=mapped.nbytes,
         bytes_sent=sum(n for r, n in enumerate(received) if r not in readers_at),
         payload_bytes=plan.payload_bytes,
         seconds=seconds,

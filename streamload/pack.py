@@ -99,12 +99,19 @@ class Packer:
         ckpt: the opened checkpoint.
         plan: the plan every rank computed.
         locals_: this rank's local shard per target, for direct segments.
+        skip: targets whose direct segments need no copy (mapped shards).
     """
 
     def __init__(
-        self, ckpt: Source, plan: Plan, locals_: Sequence[torch.Tensor] | None = None, virtual: Any = None
+        self,
+        ckpt: Source,
+        plan: Plan,
+        locals_: Sequence[torch.Tensor] | None = None,
+        virtual: Any = None,
+        skip: frozenset[int] = frozenset(),
     ) -> None:
         self.ckpt = ckpt
+        self.skip = skip
         self.plan = plan
         self.locals = list(locals_ or [])
         self.virtual = virtual  # FallbackSources: tensors built on the reader by transformers' ops
@@ -157,6 +164,8 @@ class Packer:
                 continue
             if rank == bucket.direct_rank:
                 for seg in segs:
+                    if seg.target in self.skip:
+                        continue
                     local = self.locals[seg.target]
                     strides = list(local.stride())
                     first = sum(s * st for s, st in zip(seg.local_start, strides, strict=True))

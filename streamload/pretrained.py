@@ -12,7 +12,7 @@ import torch.distributed as dist
 from torch import nn
 
 from .load import load_checkpoint, open_source, resolve_group
-from .model_state import record_state
+from .model_state import rebind_ties, record_state
 
 
 def repeated_blocks(model: nn.Module) -> list[nn.Module]:
@@ -125,6 +125,10 @@ def from_pretrained(
             model = cls._from_config(config, dtype=param_dtype)
     if "generation_config" in meta.extra and getattr(model, "generation_config", None) is not None:
         model.generation_config = meta.extra["generation_config"]
+    # transformers ties lazily: on meta the head may still be its own Parameter.
+    # Tie before sharding, so FSDP manages one parameter (one shard, one
+    # all-gather, one gradient) rather than two it would later fold together.
+    rebind_ties(model, record_state(model).ties)
     if device_mesh is not None:
         (shard_fn or default_shard_fn)(model, device_mesh)
     if ckpt is not None and rank == src_rank:

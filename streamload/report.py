@@ -14,6 +14,8 @@ class LoadReport:
 
     Attributes:
         bytes_read: checkpoint bytes the reader copied (reader rank; 0 elsewhere).
+        bytes_mapped: bytes of this rank's shards that are copy-on-write views
+            of the files (CPU; see ``map_files``), read when first touched.
         bytes_sent: bytes sent to ranks other than the reader.
         payload_bytes: bytes delivered to all ranks (the reader's own included).
         seconds: wall time of the whole call on this rank.
@@ -33,6 +35,7 @@ class LoadReport:
     """
 
     bytes_read: int = 0
+    bytes_mapped: int = 0
     bytes_sent: int = 0
     payload_bytes: int = 0
     seconds: float = 0.0

@@ -73,8 +73,10 @@ def scatter(
     fallbacks: Any,
     slots: int,
     progress: bool | None,
+    skip: frozenset[int] = frozenset(),
 ) -> tuple[int, int]:
     """One reader (``source`` given on it only) -> every rank of ``group``.
+    ``skip``: the reader's targets that need no copy (mapped shards).
 
     Returns:
         (staging peak bytes, bytes read) on this rank.
@@ -84,7 +86,7 @@ def scatter(
         plan.set_direct(src_group_rank)
     elif device.type == "cuda":
         slots = max(slots, 3)  # pack k+2, copy k+1 to the device, scatter k
-    packer = Packer(source, plan, locals_, fallbacks) if source is not None else None
+    packer = Packer(source, plan, locals_, fallbacks, skip) if source is not None else None
     peak = _stream(plan, group_rank, src_rank, group, device, packer, locals_, slots, progress)
     return peak, packer.bytes_read if packer is not None else 0
 
@@ -99,11 +101,13 @@ def read_owned(
     fallbacks: Any,
     slots: int,
     progress: bool | None,
+    skip: frozenset[int] = frozenset(),
 ) -> tuple[int, int]:
-    """Every rank reads its own segments; no transport. Returns (peak, bytes read)."""
+    """Every rank reads its own segments; no transport. Returns (peak, bytes read).
+    ``skip``: targets that need no copy (mapped shards)."""
     assert source is not None
     status = StatusCheck(group, device)
-    packer = Packer(source, plan, locals_, fallbacks)
+    packer = Packer(source, plan, locals_, fallbacks, skip)
     staging: StagingRing | None = None
     if device.type == "cpu":
         plan.set_direct(group_rank)

@@ -249,6 +249,47 @@ def case_tied_gradient(rank: int, world: int, *, ckpt: str, ws: int) -> dict | N
     }
 
 
+def _file_digests(ckpt: str) -> dict[str, str]:
+    import hashlib
+    from pathlib import Path
+
+    return {f.name: hashlib.sha256(f.read_bytes()).hexdigest() for f in sorted(Path(ckpt).iterdir())}
+
+
+def case_train_steps(rank: int, world: int, *, ckpt: str, ws: int, readers: str, map_files: bool) -> dict | None:
+    """Two SGD steps on the loaded tied model match the single-process model
+    taking the same steps; with mapped shards the checkpoint is never written."""
+    mesh = mesh_for(ws)
+    if mesh is None:
+        return None
+    before = _file_digests(ckpt)
+    model = streamload.from_pretrained(
+        ckpt, device_mesh=mesh, progress=False, readers=readers, map_files=map_files
+    )
+    rep = model.streamload_report
+    ref = reference(ckpt, None)
+    ids = torch.arange(24).reshape(2, 12) % model.config.vocab_size
+    losses, ref_losses = [], []
+    for net, out in ((model, losses), (ref, ref_losses)):
+        net.train()
+        opt = torch.optim.SGD(net.parameters(), lr=0.5)
+        for _ in range(3):
+            loss = net(input_ids=ids, labels=ids).loss
+            out.append(float(loss))
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+    assert tied(model)
+    for a, b in zip(losses, ref_losses, strict=True):
+        assert abs(a - b) <= 1e-4 * max(1.0, abs(b)), (losses, ref_losses)
+    assert losses[0] != losses[2], "the steps changed nothing"
+    emb = full(model.get_input_embeddings().weight)
+    assert torch.allclose(emb, ref.get_input_embeddings().weight, rtol=1e-4, atol=1e-5)
+    dist.barrier(mesh.get_group())
+    assert _file_digests(ckpt) == before, "the checkpoint changed"
+    return {"bytes_mapped": rep.bytes_mapped, "reader": rep.reader, "losses": losses}
+
+
 def case_strict_keys(rank: int, world: int, *, ckpt: str, ws: int, strict: bool) -> dict | None:
     mesh = mesh_for(ws)
     if mesh is None:

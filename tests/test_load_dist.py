@@ -33,6 +33,9 @@ def ckpts(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     )
     out["tied"] = str(make_checkpoint(root / "tied", "qwen2", tie=True, seed=1, **common))
     out["untied"] = str(make_checkpoint(root / "untied", "qwen2", tie=False, seed=2, **common))
+    out["tied_f32"] = str(
+        make_checkpoint(root / "tied_f32", "qwen2", tie=True, seed=4, dtype=torch.float32, **common)
+    )
     out["llama_f32"] = str(
         make_checkpoint(root / "llama", "llama", tie=False, seed=3, dtype=torch.float32, **common)
     )
@@ -76,8 +79,10 @@ def test_from_pretrained_matches_transformers(group: RankGroup, ckpts, ws: int) 
                 assert ["model.embed_tokens.weight", "lm_head.weight"] in rep["tie_groups"]
             if ws > 1:
                 assert rep["bytes_sent"] > 0 and rep["bytes_received"][1] > 0
-            # Only the reader reads; every byte is read once per owner.
-            assert rep["bytes_read"] > 0
+            # Only the reader reads (or maps, where its shard is a run of the file in its dtype).
+            assert rep["bytes_read"] + rep["bytes_mapped"] > 0
+            if dtype is None:
+                assert rep["bytes_mapped"] > 0
 
 
 def test_fp32_masters_from_bf16_file_narrow_on_sender(group: RankGroup, ckpts) -> None:
@@ -112,6 +117,23 @@ def test_plain_module_uneven_and_unmanaged(group: RankGroup, ckpts, ws: int, sha
 def test_tied_gradient_matches_single_process(group: RankGroup, ckpts, ws: int) -> None:
     res = group.run(cases.case_tied_gradient, ckpt=ckpts["tied"], ws=ws)
     assert res[0]["untied_diff"] > 100 * max(res[0]["max_diff"], 1e-9)
+
+
+@pytest.mark.parametrize("ws", [1, 3])
+def test_training_steps_on_mapped_shards(group: RankGroup, ckpts, ws: int) -> None:
+    """Mapped shards (owners read float32 files into float32 parameters) and
+    private copies train the same; the checkpoint files stay byte-identical."""
+    for readers, map_files in (("owners", True), ("owners", False), ("src", True)):
+        res = group.run(
+            cases.case_train_steps, ckpt=ckpts["tied_f32"], ws=ws, readers=readers, map_files=map_files
+        )
+        mapped = [r["bytes_mapped"] for r in res[:ws]]
+        if map_files and (readers == "owners" or ws == 1):
+            assert all(m > 0 for m in mapped), mapped
+        elif map_files:
+            assert mapped[0] > 0 and not any(mapped[1:]), mapped  # only the reader maps
+        else:
+            assert not any(mapped), mapped
 
 
 def test_strict_keys_raise_on_every_rank(group: RankGroup, ckpts) -> None:
@@ -151,7 +173,7 @@ def test_reader_modes(group: RankGroup, ckpts, ws: int) -> None:
                 # No transport, and each byte of a sharded parameter is read exactly once across ranks.
                 assert all(r["bytes_sent"] == 0 for r in reps)
                 assert (
-                    sum(r["bytes_read"] for r in reps) == reps[0]["payload_bytes"]
+                    sum(r["bytes_read"] + r["bytes_mapped"] for r in reps) == reps[0]["payload_bytes"]
                 )  # bf16 on the wire and read
             else:
                 assert reps[0]["bytes_read"] > 0 and all(r["bytes_read"] == 0 for r in reps[1:])
@@ -164,8 +186,8 @@ def test_node_readers_keep_traffic_inside_each_node(group: RankGroup, ckpts) -> 
         reps = [r["report"] for r in res]
         assert all(r["reader"].startswith("node") for r in reps), reps[0]["reader"]
         assert reps[1]["bytes_read"] == reps[3]["bytes_read"] == 0
-        # Each node's reader read exactly its own node's shards.
+        # Each node's reader read (or mapped, its own) exactly its own node's shards.
         received = reps[0]["bytes_received"]
-        assert reps[0]["bytes_read"] == received[0] + received[1]
-        assert reps[2]["bytes_read"] == received[2] + received[3]
+        assert reps[0]["bytes_read"] + reps[0]["bytes_mapped"] == received[0] + received[1]
+        assert reps[2]["bytes_read"] + reps[2]["bytes_mapped"] == received[2] + received[3]
         assert reps[0]["bytes_sent"] == received[1] + received[3]  # only within nodes

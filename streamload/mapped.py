@@ -1,0 +1,156 @@
+"""Mapped shards (CPU): a rank that reads its own shard from the files, where
+that shard is one contiguous byte range of one checkpoint tensor already in
+the parameter's dtype, gets a copy-on-write view of the file instead of a
+copy - what safetensors and transformers give CPU tensors.
+
+The file is opened read-only and mapped MAP_PRIVATE: writes to the parameter
+(an optimizer step) land in private pages, never in the file. Pages are read
+when first touched and are the page cache's own (shared by every rank that
+holds the same bytes), so nothing anonymous is allocated for them.
+
+The caveat is safetensors' own: rewriting a checkpoint file in place while
+the model lives changes (or, when it shrinks, invalidates) the pages not yet
+written. ``map_shards=False`` gives private copies instead.
+"""
+
+from __future__ import annotations
+
+import math
+import mmap
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from .checkpoint import Checkpoint
+from .copy_ops import ITEMSIZE, ST_DTYPES, contiguous_strides
+from .plan import Target
+from .regions import Box, regions_for_box
+
+
+@dataclass
+class MappedShards:
+    """Targets whose local shard is now a view of the file, and their bytes."""
+
+    targets: frozenset[int] = frozenset()
+    nbytes: int = 0
+    files: dict[int, torch.Tensor] = field(default_factory=dict)  # file index -> whole-file bytes
+
+
+def is_contiguous_box(start: Sequence[int], extent: Sequence[int], full: Sequence[int]) -> bool:
+    """Whether the sub-box [start, start + extent) of a row-major array of
+    shape ``full`` is one contiguous run of elements."""
+    partial = False
+    for e, f in zip(reversed(extent), reversed(full), strict=True):
+        if partial and e != 1:
+            return False
+        if e != f:
+            partial = True
+    return True
+
+
+def file_range(target: Target, box: Box, dtype: torch.dtype, ckpt: Checkpoint) -> tuple[int, int] | None:
+    """(file index, absolute byte offset) of the bytes of ``box``, when they
+    lie contiguously in one file tensor stored in ``dtype``; else None."""
+    regions = list(regions_for_box(target.pieces, box))
+    if len(regions) != 1 or math.prod(hi - lo for lo, hi in box) == 0:
+        return None
+    reg = regions[0]
+    if reg.key not in ckpt or tuple(reg.shape) != tuple(hi - lo for lo, hi in box):
+        return None
+    info = ckpt.info(reg.key)
+    walked = [d for d in reg.dims if d is not None]
+    if info.dtype != ST_DTYPES.get(dtype) or walked != list(range(len(info.shape))):
+        return None  # a cast, a transpose or a reordering needs a copy
+    extent = [n for n, d in zip(reg.shape, reg.dims, strict=True) if d is not None]
+    if not is_contiguous_box(reg.src_start, extent, info.shape):
+        return None
+    first = sum(s * st for s, st in zip(reg.src_start, contiguous_strides(info.shape), strict=True))
+    offset = info.offset + first * ITEMSIZE[info.dtype]
+    if offset % ITEMSIZE[info.dtype]:
+        return None
+    return info.file_index, offset
+
+
+def _spans_storage(local: torch.Tensor) -> bool:
+    """The local tensor is all of its storage (FSDP's padded shards are not)."""
+    return (
+        local.device.type == "cpu"
+        and local.is_contiguous()
+        and local.storage_offset() == 0
+        and local.untyped_storage().nbytes() == local.numel() * local.element_size()
+    )
+
+
+def _file_bytes(ckpt: Checkpoint, index: int) -> torch.Tensor:
+    f = ckpt.files[index]
+    # The descriptor is the one whose header was validated: no re-open by path.
+    view = mmap.mmap(f.fileno, f.file_size, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+    return torch.frombuffer(view, dtype=torch.uint8)  # keeps the mapping alive
+
+
+def map_shards(
+    targets: Sequence[Target],
+    boxes: Sequence[Box],
+    params: Sequence[torch.Tensor],
+    locals_: list[torch.Tensor],
+    ckpt: Checkpoint,
+) -> MappedShards:
+    """Replaces each mappable local shard by a view of the file.
+
+    Args:
+        targets: the plan's targets; ``boxes[i]`` is this rank's box of target i.
+        params: the model's tensors (DTensor parameters or plain tensors).
+        locals_: their local shards; mapped entries are replaced in place.
+        ckpt: the checkpoint this rank reads.
+
+    Returns:
+        The mapped targets (their segments need no copy) and their bytes.
+    """
+    out = MappedShards()
+    done = set()
+    for i, (target, box, param) in enumerate(zip(targets, boxes, params, strict=True)):
+        local = locals_[i]
+        if not _spans_storage(local):
+            continue
+        where = file_range(target, box, local.dtype, ckpt)
+        if where is None or not ckpt.files[where[0]].mapped:
+            continue
+        index, offset = where
+        if index not in out.files:
+            try:
+                out.files[index] = _file_bytes(ckpt, index)
+            except (OSError, ValueError):
+                continue  # a file system without private mappings: copy instead
+        view = torch.empty(0, dtype=local.dtype).set_(
+            out.files[index].untyped_storage(), offset // local.element_size(), local.shape, local.stride()
+        )
+        if hasattr(param, "_local_tensor"):
+            param._local_tensor = view
+        else:
+            param.data = view
+        locals_[i] = view
+        done.add(i)
+        out.nbytes += local.numel() * local.element_size()
+    out.targets = frozenset(done)
+    return out
+
+
+@torch.no_grad()
+def resync_fsdp(model: nn.Module, params: Sequence[torch.Tensor]) -> None:
+    """Points FSDP2's sharded storage at the new local tensors of ``params``,
+    as ``FSDPModule._apply`` does after a module's tensors were replaced.
+    Other parameters are left alone: FSDP's own lazy init settles them after
+    the load (a tied alias re-padded now would copy unloaded values)."""
+    ids = {id(p) for p in params}
+    for module in model.modules():
+        get_state = getattr(module, "_get_fsdp_state", None)
+        if get_state is None:
+            continue
+        for group in getattr(get_state(), "_fsdp_param_groups", []):
+            for fsdp_param in group.fsdp_params:
+                info = fsdp_param._module_info
+                param = fsdp_param.sharded_param
+                if id(param) in ids and getattr(info.module, info.param_name) is param:
+                    fsdp_param.reset_sharded_param()
