@@ -256,7 +256,9 @@ def _file_digests(ckpt: str) -> dict[str, str]:
     return {f.name: hashlib.sha256(f.read_bytes()).hexdigest() for f in sorted(Path(ckpt).iterdir())}
 
 
-def case_train_steps(rank: int, world: int, *, ckpt: str, ws: int, readers: str, map_files: bool) -> dict | None:
+def case_train_steps(
+    rank: int, world: int, *, ckpt: str, ws: int, readers: str, map_files: bool
+) -> dict | None:
     """Two SGD steps on the loaded tied model match the single-process model
     taking the same steps; with mapped shards the checkpoint is never written."""
     mesh = mesh_for(ws)
