@@ -104,13 +104,13 @@ def resolve_files(path: str | os.PathLike) -> tuple[list[Path], dict[str, str] |
                 raise TypeError("weight_map is not an object")
         except (ValueError, KeyError, TypeError) as exc:
             raise CheckpointIndexError(f"malformed index: {exc}", str(index_path)) from exc
-        names: list[str] = []
+        names: dict[str, None] = {}  # each file checked once, however many tensors it holds
         for tensor, fname in weight_map.items():
             if not isinstance(fname, str):
                 raise CheckpointIndexError(f"file name is not a string: {fname!r}", str(index_path), tensor)
-            _safe_member(root, fname, f"the index entry for '{tensor}'")
             if fname not in names:
-                names.append(fname)
+                _safe_member(root, fname, f"the index entry for '{tensor}'")
+                names[fname] = None
         return [root / n for n in sorted(names)], {k: str(v) for k, v in weight_map.items()}
     files = sorted(p for p in root.iterdir() if p.suffix == ".safetensors")
     for f in files:
@@ -142,11 +142,19 @@ class Checkpoint:
         self.engine = _native.CopyEngine(threads or 0)
         self.metadata: dict[str, dict[str, str]] = {}
         self._table: dict[str, TensorInfo] = {}
+        resolved: dict[str, Path] = {}  # index file name -> real path, resolved once
+
+        def real(fname: str) -> Path:
+            if fname not in resolved:
+                resolved[fname] = (self.path / fname).resolve()
+            return resolved[fname]
+
         for i, f in enumerate(self.files):
             self.metadata[f.path] = dict(f.metadata)
+            here = Path(f.path).resolve()
             for name, dtype, shape, begin, end in f.tensors:
                 if weight_map is not None and weight_map.get(name) is not None:
-                    if (self.path / weight_map[name]).resolve() != Path(f.path).resolve():
+                    if real(weight_map[name]) != here:
                         continue  # the index names another file for it
                 if name in self._table:
                     raise CheckpointError(

@@ -55,6 +55,8 @@ def test_bench_writes_json_table_and_plot(tmp_path: Path) -> None:
             "tie_held",
             "ok",
             "error",
+            "file_backed_shard_bytes",
+            "touch_seconds",
         }
         if r["ok"]:
             assert r["seconds"] > 0 and len(r["peak_rss"]) == 2 and all(x > 0 for x in r["peak_rss"])
@@ -65,3 +67,27 @@ def test_bench_writes_json_table_and_plot(tmp_path: Path) -> None:
     assert stream["bytes_moved"] > 0 and stream["gbps"] > 0
     assert "| tiny | 2 | streamload |" in (out / "table.md").read_text()
     assert (out / "memory.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_file_backed_shards_are_told_apart(tmp_path) -> None:
+    """The overhead subtracts only anonymous shards: a view of a mapped file is not one."""
+    import mmap
+
+    import torch
+
+    from streamload.bench.runner import _file_backed_bytes
+
+    path = tmp_path / "blob"
+    path.write_bytes(bytes(range(256)) * 64)
+    with open(path, "rb") as f:
+        view = mmap.mmap(f.fileno(), 0, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+    mapped = torch.frombuffer(view, dtype=torch.uint8)[4096:]
+    private = torch.arange(4096, dtype=torch.uint8)
+    assert _file_backed_bytes([mapped, private]) == mapped.numel()
+
+
+def test_failed_cell_names_the_error() -> None:
+    from streamload.bench.table import _first_line
+
+    trace = "CheckpointException ranks:dict_keys([0])\nTraceback (most recent call last):\n  File x\nRuntimeError: Missing key in checkpoint state_dict: a|b.\n"
+    assert _first_line(trace) == "RuntimeError: Missing key in checkpoint state_dict: a/b."

@@ -1,7 +1,14 @@
 """Runs one strategy in a fresh process group and measures it side by side:
 wall time, each rank's peak RSS, and the system-wide peak of anonymous
 memory over the baseline (sampled from /proc/meminfo), then verifies every
-parameter against transformers in a separate pass that the figures never see."""
+parameter against transformers in a separate pass that the figures never see.
+
+Some loaders leave shards as views of the files (safetensors' mmap, read when
+first touched) rather than private memory. So that the figures compare like
+with like, each rank also reports how many of its shard bytes are file-backed
+(from /proc/self/maps) and how long a first touch of every shard page takes
+after the load; the overhead is peak anonymous memory minus the shards that
+are anonymous."""
 
 from __future__ import annotations
 
@@ -64,7 +71,9 @@ class RunResult:
     seconds: float = 0.0
     peak_anon_over_baseline: int = 0
     shard_bytes: int = 0
-    overhead_bytes: int = 0
+    file_backed_shard_bytes: int = 0  # shard bytes that are views of the checkpoint files
+    overhead_bytes: int = 0  # peak anon over baseline minus the anonymous shard bytes
+    touch_seconds: float = 0.0  # after the load: reading one byte of every shard page
     peak_rss: list[int] = field(default_factory=list)
     bytes_moved: int = 0
     gbps: float = 0.0
@@ -89,6 +98,53 @@ def _tie_held(model: Any) -> bool | None:
 def _bits(t: torch.Tensor) -> torch.Tensor:
     t = t.detach().contiguous().reshape(-1)
     return t.view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
+
+
+def _file_mappings() -> list[tuple[int, int]]:
+    """Address ranges of this process's file-backed mappings."""
+    out = []
+    with open("/proc/self/maps") as f:
+        for line in f:
+            fields = line.split()
+            if len(fields) >= 6 and fields[4] != "0" and fields[5].startswith("/"):
+                lo, hi = (int(x, 16) for x in fields[0].split("-"))
+                out.append((lo, hi))
+    return sorted(out)
+
+
+def _local_shards(model: Any) -> list[torch.Tensor]:
+    seen, out = set(), []
+    for p in model.parameters():
+        t = p.to_local() if hasattr(p, "to_local") else p
+        if id(p) not in seen and t.numel():
+            seen.add(id(p))
+            out.append(t.detach())
+    return out
+
+
+def _file_backed_bytes(shards: list[torch.Tensor]) -> int:
+    import bisect
+
+    maps = _file_mappings()
+    starts = [lo for lo, _ in maps]
+    total = 0
+    for t in shards:
+        ptr = t.data_ptr()
+        i = bisect.bisect_right(starts, ptr) - 1
+        if i >= 0 and maps[i][0] <= ptr < maps[i][1]:
+            total += t.numel() * t.element_size()
+    return total
+
+
+def _touch(shards: list[torch.Tensor]) -> None:
+    """Reads one byte of every 4 KiB page of every shard."""
+    for t in shards:
+        flat = (
+            t.reshape(-1).view(torch.uint8)
+            if t.is_contiguous()
+            else t.contiguous().view(-1).view(torch.uint8)
+        )
+        int(flat[::4096].sum())
 
 
 def _verify(model: Any, ckpt: str, dtype: torch.dtype, rank: int) -> list[str]:
@@ -146,10 +202,13 @@ def _worker(rank: int, world: int, init_file: str, commands: Any, results: Any) 
             out: dict[str, Any] = {"rank": rank, "seconds": time.perf_counter() - t0}
             out["peak_rss"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
             out["tie_held"] = _tie_held(model)
-            out["shard_bytes"] = sum(
-                (p.to_local() if hasattr(p, "to_local") else p).numel() * p.element_size()
-                for p in model.parameters()
-            )
+            shards = _local_shards(model)
+            out["shard_bytes"] = sum(t.numel() * t.element_size() for t in shards)
+            out["file_backed_shard_bytes"] = _file_backed_bytes(shards)
+            t1 = time.perf_counter()
+            _touch(shards)
+            dist.barrier()
+            out["touch_seconds"] = time.perf_counter() - t1
             out["bytes_moved"] = getattr(getattr(model, "streamload_report", None), "payload_bytes", 0)
             results.put(("timed", out))
             if opts.get("verify", True):
@@ -245,8 +304,11 @@ class BenchGroup:
             res.seconds = max(t["seconds"] for t in timed)
             res.peak_rss = [t["peak_rss"] for t in timed]
             res.shard_bytes = sum(t["shard_bytes"] for t in timed)
+            res.file_backed_shard_bytes = sum(t["file_backed_shard_bytes"] for t in timed)
+            res.touch_seconds = max(t["touch_seconds"] for t in timed)
             res.peak_anon_over_baseline = sampler.peak - sampler.baseline
-            res.overhead_bytes = res.peak_anon_over_baseline - res.shard_bytes
+            anon_shards = res.shard_bytes - res.file_backed_shard_bytes
+            res.overhead_bytes = res.peak_anon_over_baseline - anon_shards
             res.bytes_moved = max(t["bytes_moved"] for t in timed) or res.shard_bytes
             res.gbps = res.bytes_moved / res.seconds / 1e9 if res.seconds else 0.0
             ties = {t["tie_held"] for t in timed}

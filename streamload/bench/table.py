@@ -16,6 +16,14 @@ def write_jsonl(path: str | Path, rows: Iterable[dict[str, Any]]) -> None:
             f.write(json.dumps({k: v for k, v in row.items() if k != "timeline"}) + "\n")
 
 
+def _first_line(error: str | None) -> str:
+    """A failure's gist for a table cell: its last line that names an error, else its first."""
+    lines = [ln.strip() for ln in (error or "").splitlines() if ln.strip()]
+    named = [ln for ln in lines if "Error:" in ln or "Exception:" in ln]
+    text = (named[-1] if named else lines[0] if lines else "").replace("|", "/")
+    return text[:200]
+
+
 def markdown_table(
     rows: Sequence[dict[str, Any]], group_keys: Sequence[str], baseline: str = "rank0_broadcast"
 ) -> str:
@@ -25,8 +33,10 @@ def markdown_table(
         "ranks",
         "strategy",
         "load s",
+        "first touch s",
+        "shards file-backed",
         "peak anon over baseline",
-        "overhead (minus shards)",
+        "overhead (minus anon shards)",
         "time vs " + baseline,
         "overhead vs " + baseline,
         "correct",
@@ -39,7 +49,7 @@ def markdown_table(
             lines.append(
                 "| "
                 + " | ".join(
-                    [*group, str(d["world"]), d["strategy"], f"failed: {d['error']}"]
+                    [*group, str(d["world"]), d["strategy"], f"failed: {_first_line(d['error'])}"]
                     + [""] * (len(head) - len(group_keys) - 3)
                 )
                 + " |"
@@ -70,6 +80,8 @@ def markdown_table(
                     str(d["world"]),
                     d["strategy"],
                     f"{d['seconds']:.2f}",
+                    f"{d.get('touch_seconds', 0.0):.2f}",
+                    f"{d.get('file_backed_shard_bytes', 0) / MiB:.0f} MiB",
                     f"{d['peak_anon_over_baseline'] / MiB:.0f} MiB",
                     f"{d['overhead_bytes'] / MiB:.0f} MiB",
                     t_ratio,
