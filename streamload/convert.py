@@ -237,6 +237,10 @@ def plan_conversions(model: nn.Module, table: Table, targets: dict[str, tuple[in
     from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
 
     conv = Conversion()
+    if all(k in table and tuple(table[k][1]) == tuple(shape) for k, shape in targets.items()):
+        # Every target is in the checkpoint as it is: nothing to convert, and
+        # transformers' mapping tables (a few hundred regexes) need not be built.
+        return conv
     mapping = _weight_mapping(model)
     if not mapping:
         return conv

@@ -43,6 +43,16 @@ def default_shard_fn(model: nn.Module, mesh: Any) -> None:
     fully_shard(model, mesh=mesh)
 
 
+def _no_init_weights() -> Any:
+    try:
+        from transformers.initialization import no_init_weights
+    except ImportError:  # older transformers: initialising on meta is only slower
+        import contextlib
+
+        return contextlib.nullcontext()
+    return no_init_weights()
+
+
 def _read_configs(path: Path) -> dict[str, Any]:
     from transformers import AutoConfig, GenerationConfig
 
@@ -118,7 +128,9 @@ def from_pretrained(
     param_dtype = dtype or getattr(config, "dtype", None) or torch.float32
     if isinstance(param_dtype, str):
         param_dtype = getattr(torch, param_dtype)
-    with init_empty_weights(include_buffers=False):
+    # Parameters on meta, buffers real; no initialisation (the load fills every
+    # parameter), as transformers' own from_pretrained builds its skeleton.
+    with init_empty_weights(include_buffers=False), _no_init_weights():
         if hasattr(cls, "from_config"):
             model = cls.from_config(config, dtype=param_dtype)
         else:
