@@ -41,7 +41,8 @@ def main() -> None:
         bad = [
             n
             for n, t in full.items()
-            if t.dtype != refs[n].dtype or not torch.equal(t.view(-1).view(torch.uint8), refs[n].view(-1).view(torch.uint8))
+            if t.dtype != refs[n].dtype
+            or not torch.equal(t.view(-1).view(torch.uint8), refs[n].view(-1).view(torch.uint8))
         ]
     result = {
         "rank": rank,
