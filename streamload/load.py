@@ -50,6 +50,10 @@ def default_bucket_bytes(device: torch.device) -> int:
     return DEFAULT_CPU_BUCKET_BYTES if device.type == "cpu" else DEFAULT_BUCKET_BYTES
 
 
+# readers="owners" on the CPU copies straight into the shards (nothing is
+# staged): buckets only pace the per-bucket error check.
+OWNERS_CPU_BUCKET_BYTES = 1 << 30
+
 # Tied duplicates are compared this many bytes at a time: never a full copy.
 _COMPARE_CHUNK = 64 << 20
 
@@ -295,6 +299,10 @@ def load_checkpoint(
     placements = gather_or_raise(mine, local_error, rank, group, device)
     assert match is not None and conversion is not None
     validate_targets(match.targets, table, placements, check_shapes=False)
+    if choice.mode == "owners" and device.type == "cpu":
+        # Every rank fills its shards in place: no staging, no wire. A bucket is
+        # then only the stride of the error check, and a coarse one costs less.
+        bucket_bytes = max(bucket_bytes, OWNERS_CPU_BUCKET_BYTES)
     plan = build_plan(match.targets, {k: v[0] for k, v in table.items()}, placements, bucket_bytes)
 
     if rank == src_rank and meta.tie_conflicts:

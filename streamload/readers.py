@@ -22,6 +22,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from .errors import CheckpointFileError
 from .transport import all_gather_object
 
 MODES = ("auto", "src", "owners", "node")
@@ -45,6 +46,24 @@ def fingerprint(path: Any) -> tuple | None:
         return tuple(out) or None
     except OSError:
         return None
+
+
+def _first_difference(theirs: tuple | None, reference: tuple) -> tuple[str | None, str]:
+    """(file name, how it differs) between a rank's fingerprint and the reader's."""
+    if theirs is None:
+        return None, "the checkpoint cannot be opened there"
+    ref = {name: (size, digest) for name, size, digest in reference}
+    got = {name: (size, digest) for name, size, digest in theirs}
+    for name in sorted(set(ref) | set(got)):
+        if name not in got:
+            return name, "file missing"
+        if name not in ref:
+            return name, "file the reader does not have"
+        if ref[name][0] != got[name][0]:
+            return name, f"{got[name][0]} bytes, the reader's has {ref[name][0]}"
+        if ref[name][1] != got[name][1]:
+            return name, "header differs"
+    return None, "different files"
 
 
 def node_key() -> str:
@@ -109,7 +128,12 @@ def choose(
     if requested == "owners" or (requested == "auto" and all(sees)):
         if not all(sees):
             missing = [r for r in range(world) if not sees[r]]
-            raise ValueError(f"readers='owners' but ranks {missing} do not see the same files as rank {src}")
+            name, why = _first_difference(seen[missing[0]][1], reference)
+            raise CheckpointFileError(
+                f"readers='owners' but ranks {missing} do not see the same files as rank {src} "
+                f"(rank {missing[0]}: {why})",
+                str(Path(path) / name) if name and Path(str(path)).is_dir() else str(path),
+            )
         return ReaderChoice("owners", "every rank sees the same files (size and header hash)", nodes)
     node_readers = []
     for ranks in nodes:

@@ -38,6 +38,14 @@ def inject(fault: str, rank: int, ckpt: str):
             return real_pack(self, bucket, slot)
 
         Packer.pack = pack  # type: ignore[method-assign]
+    if fault in ("owners_raise_bucket", "owners_interrupt") and rank == 1:
+
+        def pack(self, bucket, slot, only=None):
+            if fault == "owners_raise_bucket":
+                raise streamload.CheckpointFileError("injected I/O error on rank 1", ckpt, "bucket-0")
+            raise KeyboardInterrupt("injected interrupt on rank 1")
+
+        Packer.pack = pack  # type: ignore[method-assign]
     if fault == "receiver_raise" and rank == 2:
 
         def unpack(*args, **kwargs):
@@ -75,8 +83,14 @@ def main() -> None:
             t0 = time.perf_counter()
             row = {"fault": fault, "rank": args.rank, "raised": None}
             try:
-                path = ckpt if args.rank == 0 else "/nonexistent/on/this/node"
-                streamload.from_pretrained(path, device_mesh=mesh, bucket_bytes=4096, progress=False)
+                readers, path = "auto", ckpt if args.rank == 0 else "/nonexistent/on/this/node"
+                if fault.startswith("owners_"):  # every rank sees the files and reads its own shards
+                    readers, path = "owners", ckpt
+                    if fault == "owners_mismatched_copy" and args.rank == 2:
+                        path = ckpt + "_other"  # this rank's copy differs from the reader's
+                streamload.from_pretrained(
+                    path, device_mesh=mesh, bucket_bytes=4096, progress=False, readers=readers
+                )
             except BaseException as exc:  # noqa: BLE001 - recording what each rank raised is the point
                 row.update(
                     raised=type(exc).__name__,

@@ -34,6 +34,10 @@ EXPECTED = {
     "src_interrupt": ("KeyboardInterrupt", "RemoteRankError", 0),
     "receiver_raise": ("RuntimeError", "RemoteRankError", 2),
     "truncated_while_loading": ("CheckpointFileError", "CheckpointFileError", 0),
+    # readers="owners": every rank reads; the same protocol brings one rank's failure to all.
+    "owners_raise_bucket": ("CheckpointFileError", "CheckpointFileError", 1),
+    "owners_interrupt": ("KeyboardInterrupt", "RemoteRankError", 1),
+    "owners_mismatched_copy": ("CheckpointFileError", "CheckpointFileError", None),
 }
 
 
@@ -86,6 +90,10 @@ def _make_cases(root: Path) -> dict[str, Path]:
     cfg = json.loads((cases["wrong_shape_in_config"] / "config.json").read_text())
     cfg["intermediate_size"] = 40
     (cases["wrong_shape_in_config"] / "config.json").write_text(json.dumps(cfg))
+    other = root / "owners_mismatched_copy_other"  # rank 2's copy: same names, other header
+    shutil.copytree(cases["owners_mismatched_copy"], other)
+    f = _shards(other)[0]
+    save_file(load_file(str(f)), str(f), metadata={"format": "pt", "copy": "other"})
     d = cases["index_path_escape"]
     index = json.loads((d / "model.safetensors.index.json").read_text())
     first = next(iter(index["weight_map"]))
@@ -158,6 +166,9 @@ def test_every_rank_raises_named_error(fault_run, fault: str) -> None:
         assert all(row["file"] and fault in row["file"] for row in rows.values()), rows
     if fault == "missing_tensor":
         assert "model.norm.weight" in rows[1]["message"]
+    if fault == "owners_mismatched_copy":
+        assert all("ranks [2] do not see the same files" in row["message"] for row in rows.values()), rows
+        assert all(row["file"].endswith(".safetensors") for row in rows.values()), rows
     if fault == "wrong_shape_in_config":
         assert all(row["tensor"] and "mlp" in row["tensor"] for row in rows.values()), rows
 
