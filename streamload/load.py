@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 import warnings
@@ -37,6 +38,8 @@ from .report import LoadReport
 from .sources import Source, as_source
 from .stream import read_owned, scatter
 from .transport import broadcast_object
+
+log = logging.getLogger("streamload")
 
 # Measured on CPU/gloo (benchmarks/bench_memory.py): 64 MiB buckets load as
 # fast as 256 MiB ones with a quarter of the staging memory. NCCL links want
@@ -252,6 +255,8 @@ def load_checkpoint(
     group_rank = dist.get_group_rank(group, rank) if group is not None else 0
     in_memory = rank == src_rank and (ckpt is not None and not isinstance(path, (str, os.PathLike)))
     choice = choose(readers, path, src_group_rank, group, device, in_memory)
+    if group_rank == src_group_rank:
+        log.info("streamload: readers=%s (%s)", choice.mode, choice.reason)
     phase("open")
 
     # Every check that can be made before the first weight byte is made here;
@@ -383,6 +388,15 @@ def load_checkpoint(
         for r, segs in enumerate(b.segments):
             received[r] += sum(s.nbytes for s in segs)
     readers_at = _reader_ranks(choice, src_group_rank, len(received))
+    if group_rank == src_group_rank:
+        log.info(
+            "streamload: %.2f GB in %.2f s (%d buckets; this rank read %.2f GB, mapped %.2f GB)",
+            plan.payload_bytes / 1e9,
+            seconds,
+            len(plan.buckets),
+            bytes_read / 1e9,
+            mapped.nbytes / 1e9,
+        )
     return LoadReport(
         bytes_read=bytes_read,
         bytes_mapped=mapped.nbytes,
