@@ -4,8 +4,8 @@ way, side by side in one run, at two model sizes and 2 and 4 ranks.
 
     python benchmarks/bench_memory.py --sizes 0.75 1.5 --ranks 2 4 --out bench_out/memory
 
-Overhead = system-wide peak of anonymous memory over the baseline (sampled
-from /proc/meminfo) minus the loaded shards that are anonymous memory (shards
+Overhead = peak of the ranks' anonymous memory over the baseline (their
+RssAnon together, sampled) minus the loaded shards that are anonymous (shards
 that are copy-on-write views of the files, as the reader's own can be on the
 CPU, are page cache, not anonymous).
 """
