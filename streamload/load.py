@@ -18,7 +18,7 @@ from ._native import default_threads
 from .checkpoint import Checkpoint
 from .convert import FALLBACK_PREFIX, FallbackSources, plan_conversions
 from .errors import CheckpointError, KeyMismatchError, StreamloadError
-from .mapped import MappedShards, map_shards, resync_fsdp
+from .mapped import MappedShards, map_shards
 from .mapping import Table, match_keys
 from .model_state import (
     ModelState,
@@ -320,9 +320,7 @@ def load_checkpoint(
     mapped = MappedShards()
     if map_files and device.type == "cpu" and isinstance(ckpt, Checkpoint) and mine:
         if group_rank in _reader_ranks(choice, src_group_rank, plan.world_size):
-            mapped = map_shards(plan.targets, [p.box for p in mine], tensors, locals_, ckpt)
-            if mapped.targets:
-                resync_fsdp(model, [tensors[i] for i in mapped.targets])
+            mapped = map_shards(plan.targets, [p.box for p in mine], tensors, locals_, ckpt, model)
     phase("plan")
     fallbacks = FallbackSources(conversion, ckpt, model) if ckpt is not None else None
     if choice.mode == "owners":

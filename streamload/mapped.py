@@ -19,6 +19,7 @@ import math
 import mmap
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import nn
@@ -90,12 +91,60 @@ def _file_bytes(ckpt: Checkpoint, index: int) -> torch.Tensor:
     return torch.frombuffer(view, dtype=torch.uint8)  # keeps the mapping alive
 
 
+def fsdp_params(model: nn.Module) -> dict[int, Any] | None:
+    """FSDP2's per-parameter state, by ``id`` of the sharded parameter the
+    module holds; None when the model has FSDP modules whose internals this
+    torch does not expose as expected (then DTensor shards are not mapped).
+    A tied alias that FSDP still tracks separately is left out: FSDP folds it
+    into the canonical parameter at its lazy init, after the load."""
+    out: dict[int, Any] = {}
+    for module in model.modules():
+        get_state = getattr(module, "_get_fsdp_state", None)
+        if get_state is None:
+            continue
+        try:
+            for group in get_state()._fsdp_param_groups:
+                for fsdp_param in group.fsdp_params:
+                    info = fsdp_param._module_info
+                    if getattr(info.module, info.param_name) is fsdp_param.sharded_param:
+                        out[id(fsdp_param.sharded_param)] = fsdp_param
+        except AttributeError:
+            return None
+    return out
+
+
+@torch.no_grad()
+def _adopt(param: torch.Tensor, view: torch.Tensor, fsdp_param: Any) -> bool:
+    """Makes ``view`` the parameter's local tensor (and FSDP2's sharded
+    storage, as ``FSDPModule._apply`` does after tensors were replaced);
+    False, with nothing changed, when FSDP does not take it as it is."""
+    if not hasattr(param, "_local_tensor"):
+        param.data = view
+        return True
+    before = param._local_tensor
+    param._local_tensor = view
+    if fsdp_param is None:
+        return True
+    fsdp_param.reset_sharded_param()
+    data = getattr(fsdp_param, "_sharded_param_data", None)
+    if (
+        param._local_tensor is view
+        and data is not None
+        and data.untyped_storage().data_ptr() == view.untyped_storage().data_ptr()
+    ):
+        return True
+    param._local_tensor = before
+    fsdp_param.reset_sharded_param()
+    return False
+
+
 def map_shards(
     targets: Sequence[Target],
     boxes: Sequence[Box],
     params: Sequence[torch.Tensor],
     locals_: list[torch.Tensor],
     ckpt: Checkpoint,
+    model: nn.Module,
 ) -> MappedShards:
     """Replaces each mappable local shard by a view of the file.
 
@@ -104,15 +153,17 @@ def map_shards(
         params: the model's tensors (DTensor parameters or plain tensors).
         locals_: their local shards; mapped entries are replaced in place.
         ckpt: the checkpoint this rank reads.
+        model: the model (its FSDP2 state is re-pointed at the views).
 
     Returns:
         The mapped targets (their segments need no copy) and their bytes.
     """
     out = MappedShards()
     done = set()
+    managed = fsdp_params(model)
     for i, (target, box, param) in enumerate(zip(targets, boxes, params, strict=True)):
         local = locals_[i]
-        if not _spans_storage(local):
+        if not _spans_storage(local) or (managed is None and hasattr(param, "_local_tensor")):
             continue
         where = file_range(target, box, local.dtype, ckpt)
         if where is None or not ckpt.files[where[0]].mapped:
@@ -126,31 +177,10 @@ def map_shards(
         view = torch.empty(0, dtype=local.dtype).set_(
             out.files[index].untyped_storage(), offset // local.element_size(), local.shape, local.stride()
         )
-        if hasattr(param, "_local_tensor"):
-            param._local_tensor = view
-        else:
-            param.data = view
+        if not _adopt(param, view, (managed or {}).get(id(param))):
+            continue
         locals_[i] = view
         done.add(i)
         out.nbytes += local.numel() * local.element_size()
     out.targets = frozenset(done)
     return out
-
-
-@torch.no_grad()
-def resync_fsdp(model: nn.Module, params: Sequence[torch.Tensor]) -> None:
-    """Points FSDP2's sharded storage at the new local tensors of ``params``,
-    as ``FSDPModule._apply`` does after a module's tensors were replaced.
-    Other parameters are left alone: FSDP's own lazy init settles them after
-    the load (a tied alias re-padded now would copy unloaded values)."""
-    ids = {id(p) for p in params}
-    for module in model.modules():
-        get_state = getattr(module, "_get_fsdp_state", None)
-        if get_state is None:
-            continue
-        for group in getattr(get_state(), "_fsdp_param_groups", []):
-            for fsdp_param in group.fsdp_params:
-                info = fsdp_param._module_info
-                param = fsdp_param.sharded_param
-                if id(param) in ids and getattr(info.module, info.param_name) is param:
-                    fsdp_param.reset_sharded_param()
