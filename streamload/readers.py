@@ -5,8 +5,9 @@
   (no transport; replicated tensors are read by each rank that holds them).
 - ``node``: one reader per node scatters to the ranks of its node; nothing
   crosses between nodes.
-- ``auto``: ranks compare cheap fingerprints of the files they see (size and
-  a hash of each header, all-gathered) and pick owners, node or src.
+- ``auto``: ranks compare cheap fingerprints of the files they see (size, and
+  a hash of each header and of a few sampled data blocks, all-gathered) and
+  pick owners, node or src.
 """
 
 from __future__ import annotations
@@ -28,9 +29,17 @@ from .transport import all_gather_object
 MODES = ("auto", "src", "owners", "node")
 
 
+SAMPLES = 16  # data blocks hashed per file, evenly spaced
+SAMPLE_BYTES = 4096
+
+
 def fingerprint(path: Any) -> tuple | None:
-    """(file name, size, sha1 of its header) per safetensors file, or None
-    when this rank does not see the checkpoint. Reads headers only."""
+    """(file name, size, sha1 of its header and of SAMPLES data blocks) per
+    safetensors file, or None when this rank does not see the checkpoint.
+
+    The sampled blocks tell apart two versions of one model, whose headers
+    are the same; mtimes are left out on purpose (copies of the same files
+    on other nodes carry other mtimes). A few KiB read per file."""
     if path is None or not isinstance(path, (str, os.PathLike)):
         return None
     p = Path(path)
@@ -38,11 +47,17 @@ def fingerprint(path: Any) -> tuple | None:
         files = [p] if p.is_file() else sorted(f for f in p.iterdir() if f.suffix == ".safetensors")
         out = []
         for f in files:
+            size = f.stat().st_size
             with open(f, "rb") as h:
                 head = h.read(8)
                 n = struct.unpack("<Q", head)[0] if len(head) == 8 else 0
-                digest = hashlib.sha1(head + h.read(min(n, 100_000_000))).hexdigest()
-            out.append((f.name, f.stat().st_size, digest))
+                digest = hashlib.sha1(head + h.read(min(n, 100_000_000)))
+                start = 8 + n
+                span = max(0, size - start - SAMPLE_BYTES)
+                for k in range(SAMPLES if size > start else 0):
+                    h.seek(start + span * k // max(1, SAMPLES - 1))
+                    digest.update(h.read(SAMPLE_BYTES))
+            out.append((f.name, size, digest.hexdigest()))
         return tuple(out) or None
     except OSError:
         return None
@@ -62,7 +77,7 @@ def _first_difference(theirs: tuple | None, reference: tuple) -> tuple[str | Non
         if ref[name][0] != got[name][0]:
             return name, f"{got[name][0]} bytes, the reader's has {ref[name][0]}"
         if ref[name][1] != got[name][1]:
-            return name, "header differs"
+            return name, "header or sampled data differs"
     return None, "different files"
 
 
@@ -134,7 +149,9 @@ def choose(
                 f"(rank {missing[0]}: {why})",
                 str(Path(path) / name) if name and Path(str(path)).is_dir() else str(path),
             )
-        return ReaderChoice("owners", "every rank sees the same files (size and header hash)", nodes)
+        return ReaderChoice(
+            "owners", "every rank sees the same files (size, header and sampled data hashes)", nodes
+        )
     node_readers = []
     for ranks in nodes:
         seeing = [r for r in ranks if sees[r]]
