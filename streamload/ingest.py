@@ -30,7 +30,7 @@ from .errors import CheckpointError, KeyMismatchError
 from .mapping import match_keys
 from .model_state import ignore_patterns, record_state
 from .pack import add_box_ops
-from .plan import Target, validate_targets
+from .plan import Target, validate_shapes
 
 ALIGN = 8
 
@@ -151,7 +151,7 @@ def ingest(
         raise KeyMismatchError(
             f"{len(match.missing)} missing keys {match.missing[:20]}", str(src_p), missing=match.missing
         )
-    validate_targets(match.targets, full_table, [])
+    validate_shapes(match.targets, full_table)
     out_dtypes = {t.name: _out_dtype(full_table[t.pieces[0].key][0], dtype) for t in match.targets}
     layout = _layout(match.targets, out_dtypes, parse_size(max_shard_size))
     fallbacks = FallbackSources(conversion, ckpt, model)

@@ -31,7 +31,7 @@ from .model_state import (
     record_state,
     restore_buffers,
 )
-from .plan import Placement, build_plan, validate_targets
+from .plan import Placement, build_plan, validate_dtypes, validate_shapes
 from .protocol import gather_or_raise, portable
 from .readers import ReaderChoice, choose
 from .report import LoadReport
@@ -282,7 +282,7 @@ def load_checkpoint(
                 unexpected=match.unexpected,
             )
         # Shapes and tilings need no allocation: check them before materialising.
-        validate_targets(match.targets, table, [])
+        validate_shapes(match.targets, table)
         phase("match")
         if is_meta(model):
             materialize(model, device)
@@ -303,7 +303,7 @@ def load_checkpoint(
         local_error = exc
     placements = gather_or_raise(mine, local_error, rank, group, device)
     assert match is not None and conversion is not None
-    validate_targets(match.targets, table, placements, check_shapes=False)
+    validate_dtypes(match.targets, table, placements)
     if choice.mode == "owners" and device.type == "cpu":
         # Every rank fills its shards in place: no staging, no wire. A bucket is
         # then only the stride of the error check, and a coarse one costs less.

@@ -10,7 +10,7 @@ holds the same bytes), so nothing anonymous is allocated for them.
 
 The caveat is safetensors' own: rewriting a checkpoint file in place while
 the model lives changes (or, when it shrinks, invalidates) the pages not yet
-written. ``map_shards=False`` gives private copies instead.
+written. ``load_checkpoint(..., map_files=False)`` gives private copies instead.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from __future__ import annotations
 import math
 import mmap
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -36,7 +36,6 @@ class MappedShards:
 
     targets: frozenset[int] = frozenset()
     nbytes: int = 0
-    files: dict[int, torch.Tensor] = field(default_factory=dict)  # file index -> whole-file bytes
 
 
 def is_contiguous_box(start: Sequence[int], extent: Sequence[int], full: Sequence[int]) -> bool:
@@ -160,6 +159,7 @@ def map_shards(
     """
     out = MappedShards()
     done = set()
+    files: dict[int, torch.Tensor] = {}  # file index -> its bytes, mapped once
     managed = fsdp_params(model)
     for i, (target, box, param) in enumerate(zip(targets, boxes, params, strict=True)):
         local = locals_[i]
@@ -169,13 +169,13 @@ def map_shards(
         if where is None or not ckpt.files[where[0]].mapped:
             continue
         index, offset = where
-        if index not in out.files:
+        if index not in files:
             try:
-                out.files[index] = _file_bytes(ckpt, index)
+                files[index] = _file_bytes(ckpt, index)
             except (OSError, ValueError):
                 continue  # a file system without private mappings: copy instead
         view = torch.empty(0, dtype=local.dtype).set_(
-            out.files[index].untyped_storage(), offset // local.element_size(), local.shape, local.stride()
+            files[index].untyped_storage(), offset // local.element_size(), local.shape, local.stride()
         )
         if not _adopt(param, view, (managed or {}).get(id(param))):
             continue

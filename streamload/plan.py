@@ -158,28 +158,19 @@ def split_box(box: Box, itemsize: int, limit: int) -> list[Box]:
     return out
 
 
-def validate_targets(
-    targets: Sequence[Target],
-    table: dict[str, tuple[str, tuple[int, ...], str]],
-    placements: Sequence[Sequence[Placement]],
-    check_shapes: bool = True,
-) -> None:
-    """Checks shapes and dtypes before any byte moves; raises a named error.
+def validate_shapes(targets: Sequence[Target], table: dict[str, tuple[str, tuple[int, ...], str]]) -> None:
+    """Checks that the checkpoint tiles every target exactly, before any
+    allocation; raises ShapeMismatchError naming the tensor and file.
 
     Args:
         targets: the plan's targets.
         table: checkpoint key -> (dtype, shape, file).
-        placements: placements[rank][target].
-        check_shapes: False when the shapes and tilings were checked already
-            (only the placements' dtypes are then checked).
     """
     src_shapes = {k: v[1] for k, v in table.items()}
-    for t_idx, t in enumerate(targets):
+    for t in targets:
         first = t.pieces[0].key if t.pieces else None
         file = table[first][2] if first else None
-        if not check_shapes:
-            pass
-        elif len(t.pieces) == 1 and t.pieces[0].dims == tuple(range(len(t.shape))):
+        if len(t.pieces) == 1 and t.pieces[0].dims == tuple(range(len(t.shape))):
             src_shape = table[t.pieces[0].key][1]
             if tuple(src_shape) != tuple(t.shape):
                 raise ShapeMismatchError(
@@ -187,9 +178,25 @@ def validate_targets(
                     file,
                     first,
                 )
-        why = check_tiling(t.pieces, t.shape, src_shapes) if check_shapes else None
+        why = check_tiling(t.pieces, t.shape, src_shapes)
         if why is not None:
             raise ShapeMismatchError(f"cannot build '{t.name}' {list(t.shape)}: {why}", file, first)
+
+
+def validate_dtypes(
+    targets: Sequence[Target],
+    table: dict[str, tuple[str, tuple[int, ...], str]],
+    placements: Sequence[Sequence[Placement]],
+) -> None:
+    """Checks that every source can be cast to every rank's parameter dtype;
+    raises DTypeMismatchError naming the tensor and file.
+
+    Args:
+        targets: the plan's targets.
+        table: checkpoint key -> (dtype, shape, file).
+        placements: placements[rank][target].
+    """
+    for t_idx, t in enumerate(targets):
         for per_rank in placements:
             dst = per_rank[t_idx].dtype
             for p in t.pieces:

@@ -8,7 +8,16 @@ import os
 import pytest
 
 from streamload.errors import DTypeMismatchError, ShapeMismatchError
-from streamload.plan import ALIGN, Placement, Target, build_plan, split_box, validate_targets, wire_dtype
+from streamload.plan import (
+    ALIGN,
+    Placement,
+    Target,
+    build_plan,
+    split_box,
+    validate_dtypes,
+    validate_shapes,
+    wire_dtype,
+)
 from streamload.regions import SourcePiece, box_numel, check_tiling, identity_piece, regions_for_box
 from streamload.report import progress_enabled
 
@@ -89,11 +98,11 @@ def test_regions_for_fused_experts() -> None:
 def test_validate_targets_named_errors() -> None:
     t = Target("w", (4, 4), (identity_piece("w", (4, 5)),))
     with pytest.raises(ShapeMismatchError, match="checkpoint shape") as err:
-        validate_targets([t], {"w": ("F32", (4, 5), "f.safetensors")}, [])
+        validate_shapes([t], {"w": ("F32", (4, 5), "f.safetensors")})
     assert err.value.file == "f.safetensors" and err.value.tensor == "w"
     t = Target("w", (4,), (identity_piece("w", (4,)),))
     with pytest.raises(DTypeMismatchError):
-        validate_targets([t], {"w": ("I64", (4,), "f")}, [[Placement(((0, 4),), "F32")]])
+        validate_dtypes([t], {"w": ("I64", (4,), "f")}, [[Placement(((0, 4),), "F32")]])
 
 
 def test_progress_switch(monkeypatch: pytest.MonkeyPatch) -> None:
