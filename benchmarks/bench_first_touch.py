@@ -24,7 +24,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1)
     args = ap.parse_args()
     if not os.path.exists(args.checkpoint):
-        from streamload.synthetic import make_checkpoint, sized_config
+        from streamload.tools.synthetic import make_checkpoint, sized_config
 
         make_checkpoint(args.checkpoint, "qwen2", config=sized_config("qwen2", 1.5, tie=True))
     ckpt = streamload.Checkpoint(args.checkpoint, threads=args.threads)

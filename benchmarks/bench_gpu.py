@@ -42,7 +42,7 @@ def main() -> None:
     from torch.distributed.device_mesh import init_device_mesh
 
     import streamload
-    from streamload.synthetic import make_checkpoint, sized_config
+    from streamload.tools.synthetic import make_checkpoint, sized_config
 
     root = Path(tempfile.gettempdir()) / f"streamload_gpu_{args.gb:g}gb"
     if not (root / "config.json").exists():

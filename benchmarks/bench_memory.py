@@ -16,10 +16,10 @@ import argparse
 import os
 from pathlib import Path
 
-from streamload.bench.runner import run_strategy
-from streamload.bench.table import markdown_table, write_jsonl
-from streamload.load import DEFAULT_CPU_BUCKET_BYTES
-from streamload.synthetic import make_checkpoint, sized_config
+from streamload.load.driver import DEFAULT_CPU_BUCKET_BYTES
+from streamload.tools.bench.runner import run_strategy
+from streamload.tools.bench.table import markdown_table, write_jsonl
+from streamload.tools.synthetic import make_checkpoint, sized_config
 
 MiB = 1 << 20
 

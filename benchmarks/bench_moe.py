@@ -13,10 +13,10 @@ import argparse
 import os
 from pathlib import Path
 
-from streamload.bench.runner import run_strategy
-from streamload.bench.table import MiB, markdown_table, write_jsonl
-from streamload.load import DEFAULT_CPU_BUCKET_BYTES
-from streamload.synthetic import make_checkpoint, sized_config
+from streamload.load.driver import DEFAULT_CPU_BUCKET_BYTES
+from streamload.tools.bench.runner import run_strategy
+from streamload.tools.bench.table import MiB, markdown_table, write_jsonl
+from streamload.tools.synthetic import make_checkpoint, sized_config
 
 
 def ensure_moe(root: Path, gb: float, experts: int, model_type: str = "qwen3_moe") -> str:

@@ -32,7 +32,7 @@ def setup() -> tuple[argparse.Namespace, object]:
     if args.ckpt is None:
         box = [None]
         if dist.get_rank() == 0:
-            from streamload.synthetic import make_checkpoint
+            from streamload.tools.synthetic import make_checkpoint
 
             kw = {"num_experts": 6} if "moe" in args.model_type else {}
             box[0] = str(

@@ -16,7 +16,7 @@ from _common import check, setup
 from transformers import AutoModelForCausalLM
 
 import streamload
-from streamload.pretrained import default_shard_fn
+from streamload.integrations.pretrained import default_shard_fn
 
 args, mesh = setup()
 model = AutoModelForCausalLM.from_pretrained(args.ckpt)  # accelerate: real on rank 0, meta elsewhere

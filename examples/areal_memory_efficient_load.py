@@ -17,7 +17,7 @@ from accelerate import init_empty_weights
 from transformers import AutoConfig, AutoModelForCausalLM
 
 import streamload
-from streamload.pretrained import default_shard_fn
+from streamload.integrations.pretrained import default_shard_fn
 
 args, mesh = setup()
 if dist.get_rank() == 0:

@@ -17,7 +17,7 @@ from _common import check, setup
 from transformers import AutoConfig, AutoModelForCausalLM
 
 import streamload
-from streamload.pretrained import default_shard_fn
+from streamload.integrations.pretrained import default_shard_fn
 
 args, mesh = setup()
 config = AutoConfig.from_pretrained(args.ckpt)

@@ -19,7 +19,7 @@ from accelerate import init_empty_weights
 from transformers import AutoConfig, AutoModelForCausalLM
 
 import streamload
-from streamload.pretrained import default_shard_fn
+from streamload.integrations.pretrained import default_shard_fn
 
 args, mesh = setup()
 config = AutoConfig.from_pretrained(args.ckpt)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from .checkpoint import Checkpoint, TensorInfo
 from .errors import (
     CheckpointError,
     CheckpointFileError,
@@ -19,9 +18,10 @@ from .errors import (
     TieError,
     UnsafePathError,
 )
-from .frameworks import fsdp2_load_full_state_dict
-from .load import load_checkpoint
-from .pretrained import from_pretrained
+from .integrations.frameworks import fsdp2_load_full_state_dict
+from .integrations.pretrained import from_pretrained
+from .io.checkpoint import Checkpoint, TensorInfo
+from .load.driver import load_checkpoint
 from .report import LoadReport
 
 __version__ = "0.1.0"

@@ -366,7 +366,7 @@ def _verl_model(ckpt: str, dtype: torch.dtype, rank: int, mesh):
     from accelerate import init_empty_weights
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from streamload.pretrained import default_shard_fn
+    from streamload.integrations.pretrained import default_shard_fn
 
     if rank == 0:
         model = reference(ckpt, dtype)
@@ -410,7 +410,7 @@ def case_receiver_memory(rank: int, world: int, *, ckpt: str, ws: int, bucket_by
     from accelerate import init_empty_weights
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from streamload.pretrained import default_shard_fn
+    from streamload.integrations.pretrained import default_shard_fn
 
     mesh = mesh_for(ws)
     if mesh is None:

@@ -15,8 +15,8 @@ import torch
 import torch.distributed as dist
 
 import streamload
-import streamload.stream as sl_load
-from streamload.pack import Packer
+import streamload.dist.stream as sl_load
+from streamload.dist.pack import Packer
 
 
 def inject(fault: str, rank: int, ckpt: str):

@@ -10,7 +10,7 @@ import cases_load as cases
 import pytest
 from rank_group import RankGroup
 
-from streamload.synthetic import make_checkpoint, make_config
+from streamload.tools.synthetic import make_checkpoint, make_config
 
 ARCHS = {
     "deepseek_v3": dict(

@@ -5,8 +5,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from streamload.cli import main
-from streamload.synthetic import make_checkpoint
+from streamload.tools.cli import main
+from streamload.tools.synthetic import make_checkpoint
 
 
 def test_bench_writes_json_table_and_plot(tmp_path: Path) -> None:
@@ -75,7 +75,7 @@ def test_file_backed_shards_are_told_apart(tmp_path) -> None:
 
     import torch
 
-    from streamload.bench.runner import _file_backed_bytes
+    from streamload.tools.bench.runner import _file_backed_bytes
 
     path = tmp_path / "blob"
     path.write_bytes(bytes(range(256)) * 64)
@@ -87,7 +87,7 @@ def test_file_backed_shards_are_told_apart(tmp_path) -> None:
 
 
 def test_failed_cell_names_the_error() -> None:
-    from streamload.bench.table import _first_line
+    from streamload.tools.bench.table import _first_line
 
     trace = "CheckpointException ranks:dict_keys([0])\nTraceback (most recent call last):\n  File x\nRuntimeError: Missing key in checkpoint state_dict: a|b.\n"
     assert _first_line(trace) == "RuntimeError: Missing key in checkpoint state_dict: a/b."

@@ -11,7 +11,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 import streamload
-from streamload.copy_ops import TORCH_DTYPES
+from streamload.io.copy_ops import TORCH_DTYPES
 
 
 def _random(dtype: torch.dtype, shape: tuple[int, ...], gen: torch.Generator) -> torch.Tensor:

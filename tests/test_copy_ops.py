@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from streamload import _native
-from streamload.copy_ops import ST_DTYPES, OpBatch, can_convert
 from streamload.errors import CopyOpError
+from streamload.io.copy_ops import ST_DTYPES, OpBatch, can_convert
 
 FLOATS = [torch.float16, torch.bfloat16, torch.float32, torch.float64]
 

@@ -10,7 +10,7 @@ import sys
 
 def test_demo_command_passes() -> None:
     exe = shutil.which("streamload")
-    cmd = [exe, "demo"] if exe else [sys.executable, "-m", "streamload.cli", "demo"]
+    cmd = [exe, "demo"] if exe else [sys.executable, "-m", "streamload.tools.cli", "demo"]
     r = subprocess.run(
         cmd, capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"}
     )

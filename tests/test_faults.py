@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file, save_file
 
-from streamload.synthetic import make_checkpoint
+from streamload.tools.synthetic import make_checkpoint
 
 HERE = Path(__file__).parent
 WORLD = 3

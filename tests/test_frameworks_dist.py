@@ -8,7 +8,7 @@ import pytest
 import torch
 from rank_group import RankGroup
 
-from streamload.synthetic import make_checkpoint
+from streamload.tools.synthetic import make_checkpoint
 
 MiB = 1 << 20
 

@@ -40,7 +40,7 @@ def test_nccl_world_size_one_matches_transformers(tmp_path) -> None:
     from transformers import AutoModelForCausalLM
 
     import streamload
-    from streamload.synthetic import make_checkpoint
+    from streamload.tools.synthetic import make_checkpoint
 
     ckpt = make_checkpoint(
         tmp_path / "ck", "qwen3_moe", tie=True, seed=3, num_experts=5, max_shard_size="30KB"

@@ -12,7 +12,7 @@ import torch
 from rank_group import CaseError, RankGroup
 from safetensors.torch import load_file, save_file
 
-from streamload.synthetic import make_checkpoint
+from streamload.tools.synthetic import make_checkpoint
 
 WORLD = 4
 

@@ -7,7 +7,7 @@ import logging
 import torch
 
 import streamload
-from streamload.synthetic import make_checkpoint
+from streamload.tools.synthetic import make_checkpoint
 
 
 def test_choice_and_reason_are_logged(tmp_path, caplog) -> None:

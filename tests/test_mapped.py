@@ -13,9 +13,9 @@ from safetensors.torch import save_file
 from torch import nn
 
 from streamload import Checkpoint
-from streamload.mapped import file_range, is_contiguous_box, map_shards
-from streamload.plan import Target
-from streamload.regions import SourcePiece, identity_piece
+from streamload.model.mapped import file_range, is_contiguous_box, map_shards
+from streamload.plan.buckets import Target
+from streamload.plan.regions import SourcePiece, identity_piece
 
 
 @pytest.mark.parametrize(
@@ -109,7 +109,7 @@ def test_a_view_fsdp_does_not_take_is_given_back() -> None:
     (and the load copies into it)."""
     from types import SimpleNamespace
 
-    from streamload.mapped import _adopt
+    from streamload.model.mapped import _adopt
 
     original = torch.zeros(4, 3)
     view = torch.ones(4, 3)

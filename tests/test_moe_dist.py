@@ -8,7 +8,7 @@ import pytest
 import torch
 from rank_group import RankGroup
 
-from streamload.synthetic import make_checkpoint
+from streamload.tools.synthetic import make_checkpoint
 
 MODELS = {
     # model type -> config overrides; expert counts do not divide 2, 3 or 4
@@ -65,7 +65,7 @@ def test_unstreamable_op_falls_back(group: RankGroup, ckpts, ws: int) -> None:
 
 @pytest.fixture(scope="module")
 def ingested(ckpts, tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
-    from streamload.cli import main
+    from streamload.tools.cli import main
 
     root = tmp_path_factory.mktemp("ingested")
     out = {}
@@ -99,7 +99,7 @@ def test_ingest_output_loads_identically(group: RankGroup, ckpts, ingested) -> N
 
 
 def test_ingest_is_atomic(ckpts, tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
-    import streamload.ingest as ing
+    import streamload.tools.ingest as ing
 
     calls = {"n": 0}
     real = ing._fill

@@ -13,7 +13,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from streamload.synthetic import make_checkpoint
+from streamload.tools.synthetic import make_checkpoint
 
 WORKER = Path(__file__).resolve().parent / "node_worker.py"
 

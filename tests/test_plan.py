@@ -8,7 +8,7 @@ import os
 import pytest
 
 from streamload.errors import DTypeMismatchError, ShapeMismatchError
-from streamload.plan import (
+from streamload.plan.buckets import (
     ALIGN,
     Placement,
     Target,
@@ -18,7 +18,7 @@ from streamload.plan import (
     validate_shapes,
     wire_dtype,
 )
-from streamload.regions import SourcePiece, box_numel, check_tiling, identity_piece, regions_for_box
+from streamload.plan.regions import SourcePiece, box_numel, check_tiling, identity_piece, regions_for_box
 from streamload.report import progress_enabled
 
 
@@ -137,7 +137,7 @@ def test_symbolic_ops_equal_torch() -> None:
     """stack / cat / chunk / transpose on pieces equal torch's ops on the tensors."""
     import torch
 
-    from streamload.convert import Sym, _cat, _chunk, _stack, _transpose
+    from streamload.plan.convert import Sym, _cat, _chunk, _stack, _transpose
 
     gen = torch.Generator().manual_seed(0)
     srcs = {f"e{e}.{p}": torch.randn(3, 4, generator=gen) for e in range(3) for p in ("g", "u")}

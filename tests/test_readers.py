@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from streamload.readers import _first_difference, fingerprint
+from streamload.dist.readers import _first_difference, fingerprint
 
 
 def _write(d: Path, seed: int) -> Path:

@@ -23,14 +23,14 @@ from typing import Any
 
 import torch
 
-from .checkpoint import INDEX_NAME, Checkpoint
-from .convert import FallbackSources, plan_conversions
-from .copy_ops import ITEMSIZE, ST_DTYPES, OpBatch, contiguous_strides
-from .errors import CheckpointError, KeyMismatchError
-from .mapping import match_keys
-from .model_state import ignore_patterns, record_state
-from .pack import add_box_ops
-from .plan import Target, validate_shapes
+from ..dist.pack import add_box_ops
+from ..errors import CheckpointError, KeyMismatchError
+from ..io.checkpoint import INDEX_NAME, Checkpoint
+from ..io.copy_ops import ITEMSIZE, ST_DTYPES, OpBatch, contiguous_strides
+from ..model.state import ignore_patterns, record_state
+from ..plan.buckets import Target, validate_shapes
+from ..plan.convert import FallbackSources, plan_conversions
+from ..plan.keys import match_keys
 
 ALIGN = 8
 
@@ -134,7 +134,7 @@ def ingest(
         An IngestReport.
 
     Example:
-        >>> streamload.ingest.ingest("qwen3-moe-hub", "qwen3-moe-fused", dtype=torch.bfloat16)
+        >>> streamload.tools.ingest.ingest("qwen3-moe-hub", "qwen3-moe-fused", dtype=torch.bfloat16)
     """
     src_p, dst_p = Path(src), Path(dst)
     if dst_p.exists():

@@ -11,10 +11,10 @@ import torch
 import torch.distributed as dist
 
 from .pack import Packer, StagingRing
-from .plan import Plan
+from ..plan.buckets import Plan
 from .protocol import StatusCheck, gather_or_raise
-from .report import progress_enabled
-from .sources import Source
+from ..report import progress_enabled
+from ..io.sources import Source
 from .transport import Transport
 from .unpack import unpack
 

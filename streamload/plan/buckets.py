@@ -10,8 +10,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from .copy_ops import ITEMSIZE, can_convert
-from .errors import DTypeMismatchError, ShapeMismatchError
+from ..errors import DTypeMismatchError, ShapeMismatchError
+from ..io.copy_ops import ITEMSIZE, can_convert
 from .regions import Box, SourcePiece, box_numel, check_tiling
 
 ALIGN = 8  # every segment starts 8-byte aligned so it can be viewed as any dtype

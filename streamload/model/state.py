@@ -14,10 +14,10 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from .copy_ops import ST_DTYPES
-from .errors import TieError
-from .plan import Placement
-from .regions import Box
+from ..errors import TieError
+from ..io.copy_ops import ST_DTYPES
+from ..plan.buckets import Placement
+from ..plan.regions import Box
 
 
 @dataclass

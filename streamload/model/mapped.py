@@ -24,10 +24,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from .checkpoint import Checkpoint
-from .copy_ops import ITEMSIZE, ST_DTYPES, contiguous_strides
-from .plan import Target
-from .regions import Box, regions_for_box
+from ..io.checkpoint import Checkpoint
+from ..io.copy_ops import ITEMSIZE, ST_DTYPES, contiguous_strides
+from ..plan.buckets import Target
+from ..plan.regions import Box, regions_for_box
 
 
 @dataclass

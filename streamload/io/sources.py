@@ -8,10 +8,10 @@ from collections.abc import Mapping
 
 import torch
 
+from ..errors import DTypeMismatchError, TensorNotFoundError
 from . import _native
 from .checkpoint import Checkpoint, TensorInfo
 from .copy_ops import ST_DTYPES
-from .errors import DTypeMismatchError, TensorNotFoundError
 
 STATE_DICT = "<state_dict>"
 

@@ -14,13 +14,16 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ._native import default_threads
-from .checkpoint import Checkpoint
-from .convert import FALLBACK_PREFIX, FallbackSources, plan_conversions
-from .errors import CheckpointError, KeyMismatchError, StreamloadError
-from .mapped import MappedShards, map_shards
-from .mapping import Table, match_keys
-from .model_state import (
+from ..dist.protocol import gather_or_raise, portable
+from ..dist.readers import ReaderChoice, choose
+from ..dist.stream import read_owned, scatter
+from ..dist.transport import broadcast_object
+from ..errors import CheckpointError, KeyMismatchError, StreamloadError
+from ..io._native import default_threads
+from ..io.checkpoint import Checkpoint
+from ..io.sources import Source, as_source
+from ..model.mapped import MappedShards, map_shards
+from ..model.state import (
     ModelState,
     ignore_patterns,
     is_meta,
@@ -31,13 +34,10 @@ from .model_state import (
     record_state,
     restore_buffers,
 )
-from .plan import Placement, build_plan, validate_dtypes, validate_shapes
-from .protocol import gather_or_raise, portable
-from .readers import ReaderChoice, choose
-from .report import LoadReport
-from .sources import Source, as_source
-from .stream import read_owned, scatter
-from .transport import broadcast_object
+from ..plan.buckets import Placement, build_plan, validate_dtypes, validate_shapes
+from ..plan.convert import FALLBACK_PREFIX, FallbackSources, plan_conversions
+from ..plan.keys import Table, match_keys
+from ..report import LoadReport
 
 log = logging.getLogger("streamload")
 

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .errors import CheckpointFileError
+from ..errors import CheckpointFileError
 from .transport import all_gather_object
 
 MODES = ("auto", "src", "owners", "node")

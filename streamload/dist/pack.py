@@ -10,10 +10,10 @@ from typing import Any
 
 import torch
 
-from .copy_ops import ITEMSIZE, ST_DTYPES, OpBatch, contiguous_strides
-from .plan import Bucket, Plan, Segment
-from .regions import Box, SourcePiece, regions_for_box
-from .sources import Source
+from ..io.copy_ops import ITEMSIZE, ST_DTYPES, OpBatch, contiguous_strides
+from ..plan.buckets import Bucket, Plan, Segment
+from ..plan.regions import Box, SourcePiece, regions_for_box
+from ..io.sources import Source
 
 
 class StagingRing:

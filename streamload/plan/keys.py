@@ -6,9 +6,9 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
+from ..model.state import ModelState
+from .buckets import Target
 from .convert import Conversion
-from .model_state import ModelState
-from .plan import Target
 from .regions import SourcePiece, identity_piece
 
 # key -> (dtype, shape, file)

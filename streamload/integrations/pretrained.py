@@ -11,8 +11,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .load import load_checkpoint, open_source, resolve_group
-from .model_state import rebind_ties, record_state
+from ..load.driver import load_checkpoint, open_source, resolve_group
+from ..model.state import rebind_ties, record_state
 
 
 def repeated_blocks(model: nn.Module) -> list[nn.Module]:
@@ -145,7 +145,7 @@ def from_pretrained(
         (shard_fn or default_shard_fn)(model, device_mesh)
     if ckpt is not None and rank == src_rank:
         # Tie conflicts need the model's tie groups, which exist only now.
-        from .load import _compare_tied
+        from ..load.driver import _compare_tied
 
         meta.tie_conflicts = _compare_tied(ckpt, record_state(model))
     report = load_checkpoint(

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .errors import RemoteRankError, StreamloadError
+from ..errors import RemoteRankError, StreamloadError
 from .transport import all_gather_object
 
 

@@ -10,7 +10,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .plan import Bucket
+from ..plan.buckets import Bucket
 
 
 class Transport:

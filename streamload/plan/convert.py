@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .copy_ops import TORCH_DTYPES
+from ..io.copy_ops import TORCH_DTYPES
 from .regions import SourcePiece, identity_piece, regions_for_box
 
 Table = dict[str, tuple[str, tuple[int, ...], str]]

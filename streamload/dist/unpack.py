@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import torch
 
-from .copy_ops import TORCH_DTYPES
-from .plan import Bucket
+from ..io.copy_ops import TORCH_DTYPES
+from ..plan.buckets import Bucket
 
 
 @torch.no_grad()

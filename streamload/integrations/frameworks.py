@@ -9,9 +9,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .checkpoint import Checkpoint
-from .load import load_checkpoint
-from .report import LoadReport
+from ..io.checkpoint import Checkpoint
+from ..load.driver import load_checkpoint
+from ..report import LoadReport
 
 
 def fsdp2_load_full_state_dict(

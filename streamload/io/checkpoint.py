@@ -11,15 +11,15 @@ from pathlib import Path
 
 import torch
 
-from . import _native
-from .copy_ops import ITEMSIZE, ST_DTYPES, TORCH_DTYPES, OpBatch, can_convert, contiguous_strides
-from .errors import (
+from ..errors import (
     CheckpointError,
     CheckpointIndexError,
     DTypeMismatchError,
     TensorNotFoundError,
     UnsafePathError,
 )
+from . import _native
+from .copy_ops import ITEMSIZE, ST_DTYPES, TORCH_DTYPES, OpBatch, can_convert, contiguous_strides
 
 INDEX_NAME = "model.safetensors.index.json"
 Box = Sequence["slice | tuple[int, int]"]

@@ -8,8 +8,8 @@ from collections.abc import Sequence
 
 
 def _cmd_inspect(args: argparse.Namespace) -> int:
-    from .checkpoint import Checkpoint
-    from .inspect import format_summary, summarize
+    from ..io.checkpoint import Checkpoint
+    from ..io.summary import format_summary, summarize
 
     ckpt = Checkpoint(args.checkpoint, mode=args.mode)
     print(format_summary(summarize(ckpt), args.checkpoint))
@@ -79,7 +79,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the `streamload` command."""
-    from .errors import StreamloadError
+    from ..errors import StreamloadError
 
     args = build_parser().parse_args(argv)
     try:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from . import _streamload as _ext  # type: ignore[attr-defined]
+from .. import _streamload as _ext  # type: ignore[attr-defined]
 
 SafetensorsFile = _ext.SafetensorsFile
 CopyEngine = _ext.CopyEngine
@@ -16,7 +16,7 @@ DTYPE_CODES: dict[str, int] = dict(_ext.DTYPE_CODES)
 def cuda_module():
     """Returns the optional CUDA extension, or None where it was not built."""
     try:
-        from . import _streamload_cuda  # type: ignore[attr-defined]
+        from .. import _streamload_cuda  # type: ignore[attr-defined]
     except ImportError:
         return None
     return _streamload_cuda

@@ -79,7 +79,7 @@ def load_rank0_broadcast(ckpt: str, mesh: Any, dtype: torch.dtype, opts: dict[st
     set_model_state_dict(broadcast_from_rank0=True), buffers broadcast, tie_weights."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
-    from streamload.pretrained import default_shard_fn
+    from streamload.integrations.pretrained import default_shard_fn
 
     if dist.get_rank() == 0:
         model = _quiet_from_pretrained(ckpt, dtype)
@@ -103,7 +103,7 @@ def load_rank0_broadcast(ckpt: str, mesh: Any, dtype: torch.dtype, opts: dict[st
 
 def load_all_ranks(ckpt: str, mesh: Any, dtype: torch.dtype, opts: dict[str, Any]) -> nn.Module:
     """verl's way for tied models: every rank from_pretrained, then fully_shard."""
-    from streamload.pretrained import default_shard_fn
+    from streamload.integrations.pretrained import default_shard_fn
 
     model = _quiet_from_pretrained(ckpt, dtype)
     default_shard_fn(model, mesh)
@@ -112,7 +112,7 @@ def load_all_ranks(ckpt: str, mesh: Any, dtype: torch.dtype, opts: dict[str, Any
 
 def load_accelerate_efficient(ckpt: str, mesh: Any, dtype: torch.dtype, opts: dict[str, Any]) -> nn.Module:
     """from_pretrained under accelerate's FSDP cpu_ram_efficient_loading flags."""
-    from streamload.pretrained import default_shard_fn
+    from streamload.integrations.pretrained import default_shard_fn
 
     os.environ["ACCELERATE_USE_FSDP"] = "true"
     os.environ["FSDP_CPU_RAM_EFFICIENT_LOADING"] = "true"
@@ -129,7 +129,7 @@ def load_dcp_hf(ckpt: str, mesh: Any, dtype: torch.dtype, opts: dict[str, Any]) 
     """meta, fully_shard, to_empty, torch.distributed.checkpoint.load with HuggingFaceStorageReader."""
     import torch.distributed.checkpoint as dcp
 
-    from streamload.pretrained import default_shard_fn
+    from streamload.integrations.pretrained import default_shard_fn
 
     model = _meta_model(ckpt, dtype)
     buffers = {n: b.detach().clone() for n, b in model.named_buffers()}

@@ -1,0 +1,1 @@
+"""integrations: from_pretrained and framework drop-ins (verl, accelerate, ...)."""

@@ -1,0 +1,1 @@
+"""io: checkpoint files, headers and sources; the only importer of the compiled extension."""

@@ -1,0 +1,1 @@
+"""load: the load_checkpoint driver: prepare, run a reader strategy, finalize."""

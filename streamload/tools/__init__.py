@@ -1,0 +1,1 @@
+"""tools: the command line, ingest, demo, synthetic checkpoints and the benchmark harness."""
