@@ -19,7 +19,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 import streamload
-from streamload import _native
+from streamload.io import _native
 
 
 def make_file(path: Path, gb: float, tensor_mb: int = 32) -> None:

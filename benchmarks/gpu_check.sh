@@ -15,6 +15,6 @@ python -c "import torch; assert torch.cuda.is_available(), 'no CUDA device'; pri
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/gpu.txt" || true
 # torch is already installed (a CUDA build); never let pip replace it.
 STREAMLOAD_CUDA=ON python -m pip install -q --no-build-isolation --no-deps -e . 2>&1 | tail -3
-python -c "import streamload._native as n; m = n.cuda_module(); assert m is not None; print('cuda extension: devices =', m.device_count())"
+python -c "import streamload.io._native as n; m = n.cuda_module(); assert m is not None; print('cuda extension: devices =', m.device_count())"
 python -m pytest -q -m gpu tests/test_gpu.py 2>&1 | tee "$OUT/gpu_tests.txt"
 python benchmarks/bench_gpu.py --gb 2.0 --json "$OUT/gpu_bench.json" 2>&1 | tee "$OUT/gpu_bench.txt"

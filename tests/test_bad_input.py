@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from safetensors.torch import save_file
 
 import streamload
-from streamload import _native
+from streamload.io import _native
 
 
 def _file(tmp: Path, header: dict, data: bytes, name: str = "m.safetensors", pad: bool = True) -> Path:

@@ -7,8 +7,8 @@ import itertools
 import pytest
 import torch
 
-from streamload import _native
 from streamload.errors import CopyOpError
+from streamload.io import _native
 from streamload.io.copy_ops import ST_DTYPES, OpBatch, can_convert
 
 FLOATS = [torch.float16, torch.bfloat16, torch.float32, torch.float64]

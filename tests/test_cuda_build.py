@@ -7,7 +7,7 @@ import shutil
 
 import pytest
 
-from streamload import _native
+from streamload.io import _native
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="no CUDA toolkit on this machine")

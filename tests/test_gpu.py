@@ -8,7 +8,7 @@ import os
 import pytest
 import torch
 
-from streamload import _native
+from streamload.io import _native
 
 pytestmark = [
     pytest.mark.gpu,
