@@ -16,7 +16,7 @@ import argparse
 import os
 from pathlib import Path
 
-from streamload.load.driver import DEFAULT_CPU_BUCKET_BYTES
+from streamload.load.prepare import DEFAULT_CPU_BUCKET_BYTES
 from streamload.tools.bench.runner import run_strategy
 from streamload.tools.bench.table import markdown_table, write_jsonl
 from streamload.tools.synthetic import make_checkpoint, sized_config

@@ -452,3 +452,33 @@ def case_receiver_memory(rank: int, world: int, *, ckpt: str, ws: int, bucket_by
 def local_bytes(t: torch.Tensor) -> int:
     lt = t.to_local() if hasattr(t, "to_local") else t
     return lt.numel() * lt.element_size()
+
+
+def _process_group_count() -> int:
+    """How many process groups torch holds (a private table: fail loudly if torch renames it)."""
+    c10d = dist.distributed_c10d
+    assert hasattr(c10d, "_world"), "torch.distributed.distributed_c10d._world is gone: update this count"
+    assert hasattr(c10d._world, "pg_map"), "torch.distributed.distributed_c10d._world.pg_map is gone"
+    return len(c10d._world.pg_map)
+
+
+def case_node_repeated_loads(rank: int, world: int, *, ckpt: str, ws: int, loads: int = 5) -> dict | None:
+    """Loads ``loads`` times in node mode on one mesh; returns the process-group count after each."""
+    import os
+
+    mesh = mesh_for(ws)
+    if mesh is None:
+        return None
+    before = _process_group_count()
+    os.environ["STREAMLOAD_NODE"] = str(rank * 2 // ws)  # two simulated nodes
+    counts, readers = [], []
+    try:
+        for _ in range(loads):
+            path = ckpt if rank * 2 % ws == 0 else MISSING_PATH  # the first rank of each node sees the files
+            model = streamload.from_pretrained(path, device_mesh=mesh, progress=False, readers="node")
+            readers.append(model.streamload_report.reader)
+            counts.append(_process_group_count())
+            del model
+    finally:
+        os.environ.pop("STREAMLOAD_NODE", None)
+    return {"before": before, "counts": counts, "readers": readers}

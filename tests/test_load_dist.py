@@ -191,3 +191,13 @@ def test_node_readers_keep_traffic_inside_each_node(group: RankGroup, ckpts) -> 
         assert reps[0]["bytes_read"] + reps[0]["bytes_mapped"] == received[0] + received[1]
         assert reps[2]["bytes_read"] + reps[2]["bytes_mapped"] == received[2] + received[3]
         assert reps[0]["bytes_sent"] == received[1] + received[3]  # only within nodes
+
+
+def test_node_mode_repeated_loads_keep_the_process_group_count(group: RankGroup, ckpts) -> None:
+    # Five node-mode loads in one process group: each load's node groups are
+    # destroyed with its reader strategy, so torch's group table does not grow.
+    res = group.run(cases.case_node_repeated_loads, ckpt=ckpts["untied"], ws=4, loads=5)
+    for r in res:
+        assert all(reader.startswith("node") for reader in r["readers"]), r["readers"]
+        assert len(r["counts"]) == 5
+        assert r["counts"] == [r["before"]] * 5, (r["before"], r["counts"])

@@ -1,4 +1,4 @@
-"""Reader modes: who reads the checkpoint.
+"""Reader modes (who reads the checkpoint) and the collective choice among them.
 
 - ``src``: one rank reads and scatters (the files may live on one node only).
 - ``owners``: every rank reads its own shards straight from the mapped files
@@ -17,6 +17,7 @@ import os
 import socket
 import struct
 from dataclasses import dataclass, field
+from enum import Enum
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +27,21 @@ import torch.distributed as dist
 from ..errors import CheckpointFileError
 from .transport import all_gather_object
 
-MODES = ("auto", "src", "owners", "node")
+
+
+class ReaderMode(str, Enum):
+    """Who reads; a str, so the public API keeps taking (and comparing with) the plain names."""
+
+    AUTO = "auto"
+    SRC = "src"
+    OWNERS = "owners"
+    NODE = "node"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+MODES = tuple(m.value for m in ReaderMode)
 
 
 SAMPLES = 16  # data blocks hashed per file, evenly spaced
@@ -90,14 +105,22 @@ def node_key() -> str:
 class ReaderChoice:
     """The reader mode this load uses, why, and the node layout."""
 
-    mode: str
+    mode: ReaderMode
     reason: str
     nodes: list[list[int]] = field(default_factory=list)  # group ranks per node, in node order
     node_readers: list[int] = field(default_factory=list)  # reader group rank per node
 
+    def reader_ranks(self, src: int, world: int) -> set[int]:
+        """The group ranks that read the files in this mode (``src``: the designated reader)."""
+        if self.mode is ReaderMode.OWNERS:
+            return set(range(world))
+        if self.mode is ReaderMode.NODE:
+            return set(self.node_readers)
+        return {src}
+
 
 def choose(
-    requested: str,
+    requested: str | ReaderMode,
     path: Any,
     src: int,
     group: dist.ProcessGroup | None,
@@ -115,9 +138,10 @@ def choose(
     """
     if requested not in MODES:
         raise ValueError(f"readers must be one of {MODES}, not {requested!r}")
+    requested = ReaderMode(requested)
     world = dist.get_world_size(group) if group is not None else 1
-    if world == 1 or requested == "src":
-        return ReaderChoice("src", "requested" if requested == "src" else "single process")
+    if world == 1 or requested is ReaderMode.SRC:
+        return ReaderChoice(ReaderMode.SRC, "requested" if requested is ReaderMode.SRC else "single process")
     mine = (node_key(), fingerprint(path), has_source)
     seen = all_gather_object(mine, group, device)
     has_source = bool(seen[src][2])
@@ -130,17 +154,17 @@ def choose(
     reference = seen[src][1]
     sees = [s[1] is not None and s[1] == reference for s in seen]
     if reference is None or has_source:
-        if requested in ("owners", "node"):
+        if requested in (ReaderMode.OWNERS, ReaderMode.NODE):
             raise ValueError(
-                f"readers={requested!r} needs the checkpoint as a path that every reader can open"
+                f"readers={requested.value!r} needs the checkpoint as a path that every reader can open"
             )
         return ReaderChoice(
-            "src",
+            ReaderMode.SRC,
             "only the reader has the checkpoint (in memory)"
             if has_source
             else "the reader's checkpoint could not be fingerprinted",
         )
-    if requested == "owners" or (requested == "auto" and all(sees)):
+    if requested is ReaderMode.OWNERS or (requested is ReaderMode.AUTO and all(sees)):
         if not all(sees):
             missing = [r for r in range(world) if not sees[r]]
             name, why = _first_difference(seen[missing[0]][1], reference)
@@ -150,16 +174,16 @@ def choose(
                 str(Path(path) / name) if name and Path(str(path)).is_dir() else str(path),
             )
         return ReaderChoice(
-            "owners", "every rank sees the same files (size, header and sampled data hashes)", nodes
+            ReaderMode.OWNERS, "every rank sees the same files (size, header and sampled data hashes)", nodes
         )
     node_readers = []
     for ranks in nodes:
         seeing = [r for r in ranks if sees[r]]
         node_readers.append(src if src in ranks else (seeing[0] if seeing else -1))
-    if requested == "node" or (requested == "auto" and len(nodes) > 1 and all(r >= 0 for r in node_readers)):
+    if requested is ReaderMode.NODE or (requested is ReaderMode.AUTO and len(nodes) > 1 and all(r >= 0 for r in node_readers)):
         if any(r < 0 for r in node_readers):
             raise ValueError("readers='node' but some node has no rank that sees the checkpoint")
         return ReaderChoice(
-            "node", f"{len(nodes)} nodes, each with a rank that sees the files", nodes, node_readers
+            ReaderMode.NODE, f"{len(nodes)} nodes, each with a rank that sees the files", nodes, node_readers
         )
-    return ReaderChoice("src", f"only {sum(sees)} of {world} ranks see the files", nodes)
+    return ReaderChoice(ReaderMode.SRC, f"only {sum(sees)} of {world} ranks see the files", nodes)

@@ -5,6 +5,7 @@ shards from the files). Both carry the per-bucket error protocol."""
 from __future__ import annotations
 
 from collections import deque
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -17,6 +18,17 @@ from ..report import progress_enabled
 from ..io.sources import Source
 from .transport import Transport
 from .unpack import unpack
+
+
+@dataclass
+class Shards:
+    """What a pipeline fills on this rank, and how it paces and reports it."""
+
+    locals_: list[torch.Tensor]  # local shards, one per plan target
+    fallbacks: Any  # materialised sources of conversions the planner cannot stream
+    slots: int
+    progress: bool | None
+    skip: frozenset[int] = field(default_factory=frozenset)  # targets that need no copy (mapped)
 
 
 class DeviceStager:
@@ -69,25 +81,21 @@ def scatter(
     group: dist.ProcessGroup | None,
     device: torch.device,
     source: Source | None,
-    locals_: list[torch.Tensor],
-    fallbacks: Any,
-    slots: int,
-    progress: bool | None,
-    skip: frozenset[int] = frozenset(),
+    shards: Shards,
 ) -> tuple[int, int]:
     """One reader (``source`` given on it only) -> every rank of ``group``.
-    ``skip``: the reader's targets that need no copy (mapped shards).
 
     Returns:
         (staging peak bytes, bytes read) on this rank.
     """
+    slots = shards.slots
     if device.type == "cpu":
         # The reader's own shards are filled from the files in place.
         plan.set_direct(src_group_rank)
     elif device.type == "cuda":
         slots = max(slots, 3)  # pack k+2, copy k+1 to the device, scatter k
-    packer = Packer(source, plan, locals_, fallbacks, skip) if source is not None else None
-    peak = _stream(plan, group_rank, src_rank, group, device, packer, locals_, slots, progress)
+    packer = Packer(source, plan, shards.locals_, shards.fallbacks, shards.skip) if source is not None else None
+    peak = _stream(plan, group_rank, src_rank, group, device, packer, shards.locals_, slots, shards.progress)
     return peak, packer.bytes_read if packer is not None else 0
 
 
@@ -97,17 +105,13 @@ def read_owned(
     group: dist.ProcessGroup | None,
     device: torch.device,
     source: Source | None,
-    locals_: list[torch.Tensor],
-    fallbacks: Any,
-    slots: int,
-    progress: bool | None,
-    skip: frozenset[int] = frozenset(),
+    shards: Shards,
 ) -> tuple[int, int]:
-    """Every rank reads its own segments; no transport. Returns (peak, bytes read).
-    ``skip``: targets that need no copy (mapped shards)."""
+    """Every rank reads its own segments; no transport. Returns (peak, bytes read)."""
     assert source is not None
     status = StatusCheck(group, device)
-    packer = Packer(source, plan, locals_, fallbacks, skip)
+    locals_ = shards.locals_
+    packer = Packer(source, plan, locals_, shards.fallbacks, shards.skip)
     staging: StagingRing | None = None
     if device.type == "cpu":
         plan.set_direct(group_rank)
@@ -115,7 +119,7 @@ def read_owned(
         staging = StagingRing(1, plan.max_rank_bucket_bytes(group_rank), pin=device.type == "cuda")
     failure: BaseException | None = None
     previous = None
-    bar = _progress_bar(sum(s.nbytes for b in plan.buckets for s in b.segments[group_rank]), progress)
+    bar = _progress_bar(sum(s.nbytes for b in plan.buckets for s in b.segments[group_rank]), shards.progress)
     try:
         for bucket in plan.buckets:
             try:

@@ -11,7 +11,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..load.driver import load_checkpoint, open_source, resolve_group
+from ..load.driver import run_load
+from ..load.prepare import LoadOptions
+from ..load.source import compare_tied, open_source, resolve_group
 from ..model.state import rebind_ties, record_state
 
 
@@ -112,7 +114,7 @@ def from_pretrained(
 
     # The reader sends the config with the tensor table; no other rank needs the files.
     empty = record_state(nn.Module())
-    ckpt, meta = open_source(
+    opened = open_source(
         path,
         rank,
         src_rank,
@@ -123,6 +125,7 @@ def from_pretrained(
         load_kwargs.pop("threads", None),
         extra=lambda: _read_configs(Path(path)),
     )
+    meta = opened.meta
     config = meta.extra["config"]
     cls: Any = model_cls or AutoModelForCausalLM
     param_dtype = dtype or getattr(config, "dtype", None) or torch.float32
@@ -143,22 +146,18 @@ def from_pretrained(
     rebind_ties(model, record_state(model).ties)
     if device_mesh is not None:
         (shard_fn or default_shard_fn)(model, device_mesh)
-    if ckpt is not None and rank == src_rank:
+    if opened.source is not None and rank == src_rank:
         # Tie conflicts need the model's tie groups, which exist only now.
-        from ..load.driver import _compare_tied
-
-        meta.tie_conflicts = _compare_tied(ckpt, record_state(model))
-    report = load_checkpoint(
-        model,
-        path,
+        meta.tie_conflicts = compare_tied(opened.source, record_state(model))
+    options = LoadOptions(
         src_rank=src_rank,
         strict=strict,
         bucket_bytes=bucket_bytes,
         progress=progress,
         device_mesh=device_mesh,
-        _source=(ckpt, meta),
         **load_kwargs,
     )
+    report = run_load(model, path, options, opened)
     model.eval()
     model.streamload_report = report  # type: ignore[assignment]
     return model

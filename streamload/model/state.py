@@ -183,15 +183,27 @@ def restore_buffers(model: nn.Module, state: ModelState) -> list[str]:
     return unrestored
 
 
-def _get(model: nn.Module, name: str) -> torch.Tensor:
+def get_tensor(model: nn.Module, name: str) -> torch.Tensor:
+    """The parameter (else buffer) ``name`` exactly as its module holds it.
+
+    Example:
+        >>> get_tensor(model, "model.embed_tokens.weight")
+    """
     mod_name, attr = _split(name)
-    return getattr(model.get_submodule(mod_name), attr)
+    mod = model.get_submodule(mod_name)
+    t: torch.Tensor | None = mod._parameters.get(attr)
+    if t is None:
+        t = mod._buffers.get(attr)
+    if t is None:
+        t = getattr(mod, attr)
+    assert t is not None
+    return t
 
 
 def rebind_ties(model: nn.Module, ties: Iterable[TieGroup]) -> None:
     """Makes every alias the canonical Parameter object again, then checks it."""
     for g in ties:
-        canonical = _get(model, g.canonical)
+        canonical = get_tensor(model, g.canonical)
         for alias in g.aliases:
             mod_name, attr = _split(alias)
             mod = model.get_submodule(mod_name)
@@ -202,9 +214,9 @@ def rebind_ties(model: nn.Module, ties: Iterable[TieGroup]) -> None:
 
 def check_ties(model: nn.Module, ties: Iterable[TieGroup]) -> None:
     for g in ties:
-        canonical = _get(model, g.canonical)
+        canonical = get_tensor(model, g.canonical)
         for alias in g.aliases:
-            if _get(model, alias) is not canonical:
+            if get_tensor(model, alias) is not canonical:
                 raise TieError(
                     f"'{alias}' is not the same Parameter as '{g.canonical}' after loading", tensor=alias
                 )

@@ -23,6 +23,7 @@ from torch import nn
 from ..io.copy_ops import TORCH_DTYPES
 from .regions import SourcePiece, identity_piece, regions_for_box
 
+# The checkpoint's tensor table as every rank receives it: key -> (dtype, shape, file).
 Table = dict[str, tuple[str, tuple[int, ...], str]]
 FALLBACK_PREFIX = "streamload:fallback:"
 

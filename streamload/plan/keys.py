@@ -8,11 +8,8 @@ from dataclasses import dataclass, field
 
 from ..model.state import ModelState
 from .buckets import Target
-from .convert import Conversion
+from .convert import Conversion, Table
 from .regions import SourcePiece, identity_piece
-
-# key -> (dtype, shape, file)
-Table = dict[str, tuple[str, tuple[int, ...], str]]
 
 
 @dataclass

@@ -1,0 +1,65 @@
+"""Finalize: re-tie aliases after the stream and build the LoadReport."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from ..dist.strategies import StreamResult
+from ..model.state import rebind_ties
+from ..report import LoadReport
+from .prepare import Prepared
+
+log = logging.getLogger("streamload")
+
+
+def finalize(prep: Prepared, result: StreamResult) -> LoadReport:
+    """Re-binds ties on the filled model and reports what this load moved.
+
+    Args:
+        prep: the prepared load.
+        result: what the reader strategy measured on this rank.
+
+    Returns:
+        This rank's LoadReport.
+    """
+    prep.clock.mark("stream")
+    rebind_ties(prep.model, prep.state.ties)
+    prep.clock.mark("finalize")
+    plan, match, mapped = prep.plan, prep.match, prep.mapped
+    seconds = time.perf_counter() - prep.clock.start
+    received = [0] * plan.world_size
+    for b in plan.buckets:
+        for r, segs in enumerate(b.segments):
+            received[r] += sum(s.nbytes for s in segs)
+    readers_at = prep.choice.reader_ranks(prep.src_group_rank, len(received))
+    if prep.group_rank == prep.src_group_rank:
+        log.info(
+            "streamload: %.2f GB in %.2f s (%d buckets; this rank read %.2f GB, mapped %.2f GB)",
+            plan.payload_bytes / 1e9,
+            seconds,
+            len(plan.buckets),
+            result.bytes_read / 1e9,
+            mapped.nbytes / 1e9,
+        )
+    return LoadReport(
+        bytes_read=result.bytes_read,
+        bytes_mapped=mapped.nbytes,
+        bytes_sent=sum(n for r, n in enumerate(received) if r not in readers_at),
+        payload_bytes=plan.payload_bytes,
+        seconds=seconds,
+        gbps=plan.payload_bytes / seconds / 1e9 if seconds > 0 else 0.0,
+        buckets=len(plan.buckets),
+        bucket_bytes=prep.bucket_bytes,
+        slots=prep.options.slots,
+        peak_staging_bytes=result.peak_staging_bytes,
+        bytes_received=received,
+        missing_keys=match.missing,
+        unexpected_keys=match.unexpected,
+        tie_groups=[[g.canonical, *g.aliases] for g in prep.state.ties],
+        tie_conflicts=prep.meta.tie_conflicts,
+        converted=match.converted,
+        unrestored_buffers=prep.unrestored,
+        reader=f"{prep.choice.mode.value}: {prep.choice.reason}",
+        phases=prep.clock.phases,
+    )

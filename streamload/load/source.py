@@ -1,0 +1,166 @@
+"""Opening the checkpoint: the reader rank opens it and tells every rank its tensor table."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..dist.protocol import portable
+from ..dist.transport import broadcast_object
+from ..errors import CheckpointError, StreamloadError
+from ..io.sources import Source, as_source
+from ..model.state import ModelState
+from ..plan.convert import FALLBACK_PREFIX, Table
+
+# Tied duplicates are compared this many bytes at a time: never a full copy.
+_COMPARE_CHUNK = 64 << 20
+
+
+@dataclass
+class SourceMeta:
+    """What the reader tells every rank before any weight moves."""
+
+    table: Table
+    tie_conflicts: list[str] = field(default_factory=list)
+    path: str | None = None  # the checkpoint as the reader names it
+    extra: dict[str, Any] = field(default_factory=dict)  # e.g. config for from_pretrained
+
+
+@dataclass
+class OpenedSource:
+    """A checkpoint already opened by ``open_source``: the source (reader only) and its meta."""
+
+    source: Source | None
+    meta: SourceMeta
+
+
+def resolve_group(process_group: dist.ProcessGroup | None, device_mesh: Any) -> dist.ProcessGroup | None:
+    """The group to load over: given, else the default one; None without torch.distributed."""
+    if process_group is not None:
+        return process_group
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    if device_mesh is not None:
+        if device_mesh.ndim == 1:
+            return device_mesh.get_group()
+        if device_mesh.size() != dist.get_world_size():
+            # An N-d mesh over part of the world: its flattened group spans it.
+            return device_mesh._flatten().get_group()
+    return dist.group.WORLD
+
+
+def resolve_device(model: nn.Module, device_mesh: Any, group: dist.ProcessGroup | None) -> torch.device:
+    """The device local shards live on: the mesh's, else the model's, else by backend."""
+    dev_type = getattr(device_mesh, "device_type", None)
+    if dev_type is None:
+        for p in model.parameters():
+            mesh = getattr(p, "device_mesh", None)
+            if mesh is not None:
+                dev_type = mesh.device_type
+                break
+            if not p.is_meta:
+                return p.device
+    if dev_type is None:
+        backend = dist.get_backend(group) if group is not None else "gloo"
+        dev_type = "cuda" if "nccl" in str(backend) else "cpu"
+    if dev_type == "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device(dev_type)
+
+
+def compare_tied(ckpt: Source, state: ModelState) -> list[str]:
+    """Aliases whose checkpoint bytes differ from their canonical tensor's.
+
+    Args:
+        ckpt: the open checkpoint.
+        state: the model's recorded state (its tie groups).
+
+    Returns:
+        The alias names that conflict, compared a bounded chunk at a time.
+    """
+    conflicts = []
+    for g in state.ties:
+        for alias in g.aliases:
+            if g.canonical not in ckpt or alias not in ckpt:
+                continue
+            a, b = ckpt.info(g.canonical), ckpt.info(alias)
+            if a.shape != b.shape or a.dtype != b.dtype:
+                conflicts.append(alias)
+                continue
+            rows = max(1, _COMPARE_CHUNK // max(1, a.nbytes // max(1, a.shape[0] if a.shape else 1)))
+            n0 = a.shape[0] if a.shape else 1
+            for r in range(0, n0, rows):
+                box = [(r, min(r + rows, n0))] + [(0, s) for s in a.shape[1:]] if a.shape else []
+                if not torch.equal(
+                    ckpt.read_region(g.canonical, box).view(torch.uint8),
+                    ckpt.read_region(alias, box).view(torch.uint8),
+                ):
+                    conflicts.append(alias)
+                    break
+    return conflicts
+
+
+def open_source(
+    path: Any,
+    rank: int,
+    src_rank: int,
+    group: dist.ProcessGroup | None,
+    device: torch.device,
+    state: ModelState,
+    read_mode: str = "auto",
+    threads: int | None = None,
+    extra: Any = None,
+) -> OpenedSource:
+    """Collective: the reader opens the checkpoint and broadcasts its table (or its error).
+
+    Args:
+        path: what this rank was given (used on ``src_rank`` only).
+        rank, src_rank: this rank and the reader, global ranks.
+        state: the model's recorded state (tie conflicts are checked against it).
+        extra: a dict, or a callable the reader runs, sent along with the table.
+
+    Returns:
+        The source (on the reader; None elsewhere) and the meta every rank shares.
+    """
+    ckpt: Source | None = None
+    payload: SourceMeta | BaseException | None = None
+    local: BaseException | None = None
+    if rank == src_rank:
+        try:
+            if path is None:
+                raise StreamloadError("the reader rank was given no checkpoint", rank=rank)
+            ckpt = as_source(path, read_mode, threads)
+            table = {t.name: (t.dtype, t.shape, t.file) for t in ckpt.tensors}
+            payload = SourceMeta(
+                table,
+                tie_conflicts=compare_tied(ckpt, state),
+                path=str(getattr(ckpt, "path", path)),
+                extra=dict(extra() if callable(extra) else extra or {}),
+            )
+        except BaseException as exc:  # noqa: BLE001 - every rank must hear of it
+            local = exc
+            payload = portable(exc, rank)
+    payload = broadcast_object(
+        payload, src_rank, group, device if device.type != "meta" else torch.device("cpu")
+    )
+    if local is not None:
+        raise local
+    if isinstance(payload, BaseException):
+        raise payload
+    assert isinstance(payload, SourceMeta)
+    return OpenedSource(ckpt, payload)
+
+
+def check_same_table(ckpt: Source, table: Table) -> None:
+    """A rank reading on its own must see the reader's tensor table exactly."""
+    mine = {t.name: (t.dtype, tuple(t.shape)) for t in ckpt.tensors}
+    theirs = {k: (v[0], tuple(v[1])) for k, v in table.items() if not k.startswith(FALLBACK_PREFIX)}
+    if mine != theirs:
+        diff = sorted(set(mine.items()) ^ set(theirs.items()))[:5]
+        raise CheckpointError(
+            f"this rank's checkpoint differs from the reader's: {diff}", str(getattr(ckpt, "path", ""))
+        )
