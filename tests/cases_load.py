@@ -11,6 +11,7 @@ import torch.distributed as dist
 from torch import nn
 
 import streamload
+from streamload.io.copy_ops import bit_view as bits
 
 _GROUPS: dict[int, Any] = {}
 MISSING_PATH = "/nonexistent/streamload/ckpt"
@@ -28,12 +29,6 @@ def mesh_for(ws: int):
 
     g = subgroup(ws)
     return None if g is None else DeviceMesh.from_group(g, "cpu")
-
-
-def bits(t: torch.Tensor) -> torch.Tensor:
-    t = t.detach().contiguous().reshape(-1)
-    ints = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()]
-    return t.view(ints)
 
 
 def full(t: torch.Tensor) -> torch.Tensor:

@@ -9,7 +9,7 @@ import torch
 
 from streamload.errors import CopyOpError
 from streamload.io import _native
-from streamload.io.copy_ops import ST_DTYPES, OpBatch, can_convert
+from streamload.io.copy_ops import ST_DTYPES, OpBatch, bit_view, can_convert
 
 FLOATS = [torch.float16, torch.bfloat16, torch.float32, torch.float64]
 
@@ -85,8 +85,7 @@ def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
     nan = torch.isnan(a.float()) if a.is_floating_point() else torch.zeros_like(a, dtype=torch.bool)
     if not torch.equal(nan, torch.isnan(b.float()) if b.is_floating_point() else nan):
         return False
-    ints = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[a.element_size()]
-    return torch.equal(a[~nan].view(ints), b[~nan].view(ints))
+    return torch.equal(bit_view(a[~nan]), bit_view(b[~nan]))
 
 
 @pytest.mark.parametrize("src_dtype,dst_dtype", list(itertools.product(FLOATS, FLOATS)))

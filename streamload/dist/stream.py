@@ -101,11 +101,11 @@ def scatter(
 
 def read_owned(
     plan: Plan,
+    source: Source | None,
+    shards: Shards,
     group_rank: int,
     group: dist.ProcessGroup | None,
     device: torch.device,
-    source: Source | None,
-    shards: Shards,
 ) -> tuple[int, int]:
     """Every rank reads its own segments; no transport. Returns (peak, bytes read)."""
     assert source is not None

@@ -45,6 +45,29 @@ def default_shard_fn(model: nn.Module, mesh: Any) -> None:
     fully_shard(model, mesh=mesh)
 
 
+def meta_model(path: str | os.PathLike, dtype: torch.dtype | None = None) -> nn.Module:
+    """``AutoModelForCausalLM`` from the config at ``path``: parameters on meta, buffers real.
+
+    Args:
+        path: a checkpoint directory with config.json.
+        dtype: parameter dtype (default: the config's, else float32).
+
+    Returns:
+        The model skeleton (initialisation runs on meta only).
+
+    Example:
+        >>> model = meta_model("/ckpt", torch.bfloat16)
+    """
+    from accelerate import init_empty_weights
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(path)
+    with init_empty_weights(include_buffers=False):
+        return AutoModelForCausalLM.from_config(
+            config, dtype=dtype or getattr(config, "dtype", None) or torch.float32
+        )
+
+
 def _no_init_weights() -> Any:
     try:
         from transformers.initialization import no_init_weights

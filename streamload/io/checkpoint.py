@@ -22,7 +22,8 @@ from . import _native
 from .copy_ops import ITEMSIZE, ST_DTYPES, TORCH_DTYPES, OpBatch, can_convert, contiguous_strides
 
 INDEX_NAME = "model.safetensors.index.json"
-Box = Sequence["slice | tuple[int, int]"]
+# A region as callers spell it: per dim a slice or a [start, stop) pair.
+RegionSpec = Sequence["slice | tuple[int, int]"]
 
 
 @dataclass(frozen=True)
@@ -217,7 +218,7 @@ class Checkpoint:
         return self.read_region(name, [(0, s) for s in info.shape], out=out, dtype=dtype)
 
     def read_region(
-        self, name: str, box: Box, out: torch.Tensor | None = None, dtype: torch.dtype | None = None
+        self, name: str, box: RegionSpec, out: torch.Tensor | None = None, dtype: torch.dtype | None = None
     ) -> torch.Tensor:
         """Reads the sub-box ``box`` (one slice or (start, stop) per dim) of a tensor."""
         info = self.info(name)
@@ -283,7 +284,7 @@ class Checkpoint:
             f.check_unchanged()
 
 
-def _normalize_box(box: Box, info: TensorInfo) -> tuple[list[int], list[int]]:
+def _normalize_box(box: RegionSpec, info: TensorInfo) -> tuple[list[int], list[int]]:
     if len(box) != len(info.shape):
         raise CheckpointError(f"box has {len(box)} dims, tensor has {len(info.shape)}", info.file, info.name)
     starts, sizes = [], []

@@ -31,6 +31,19 @@ FLOAT_FAMILY = frozenset({"F16", "BF16", "F32", "F64"})
 ITEMSIZE: dict[str, int] = {k: torch.empty((), dtype=v).element_size() for k, v in TORCH_DTYPES.items()}
 
 
+_SAME_WIDTH_INTS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def bit_view(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s bits, flat, as integers of its width: ``torch.equal`` on two of them is bit equality.
+
+    Example:
+        >>> torch.equal(bit_view(a), bit_view(b))  # NaN payloads and -0.0 included
+    """
+    t = t.detach().contiguous().reshape(-1)
+    return t.view(_SAME_WIDTH_INTS[t.element_size()])
+
+
 def can_convert(src: str, dst: str) -> bool:
     """True when the native engine casts ``src`` to ``dst`` (same type, or both floating)."""
     return src == dst or (src in FLOAT_FAMILY and dst in FLOAT_FAMILY)

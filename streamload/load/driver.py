@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
+from dataclasses import fields
 from typing import Any
 
 import torch
@@ -37,40 +38,32 @@ def load_checkpoint(
 ) -> LoadReport:
     """Streams a safetensors checkpoint into an FSDP2 (or plain) model.
 
-    Only ``src_rank`` opens ``path``; other ranks receive the tensor table
-    and then only their own shards' bytes. Meta models are materialised on
-    the mesh's device first; ties are re-bound and non-persistent buffers
-    restored afterwards.
+    Only ``src_rank`` opens ``path``; other ranks receive the tensor table and then only their own
+    shards' bytes. Meta models are materialised on the mesh's device first; ties are re-bound and
+    non-persistent buffers restored afterwards.
 
     Args:
         model: a model, ``fully_shard``-ed or not, on meta or materialised.
-        path: checkpoint file or directory, an open Checkpoint, or a dict of
-            tensors (used on ``src_rank`` only; other ranks may pass anything,
-            even a path that does not exist there, or None).
+        path: checkpoint file or directory, an open Checkpoint, or a dict of tensors (used on
+            ``src_rank`` only; other ranks may pass anything, even a path that does not exist there, or None).
         src_rank: the global rank that reads.
-        strict: raise KeyMismatchError on missing/unexpected keys (all ranks,
-            before any weight is sent); else report them.
-        bucket_bytes: bytes per collective, all ranks together (default:
-            64 MiB on CPU, 256 MiB on GPUs).
+        strict: raise KeyMismatchError on missing/unexpected keys (all ranks, before any weight is
+            sent); else report them.
+        bucket_bytes: bytes per collective, all ranks together (default: 64 MiB on CPU, 256 MiB on GPUs).
         slots: staging slots (>= 2 overlaps packing with transport).
-        progress: tqdm bar on ``src_rank`` (default: when stderr is a TTY;
-            STREAMLOAD_PROGRESS=0/1 overrides).
+        progress: tqdm bar on ``src_rank`` (default: when stderr is a TTY; STREAMLOAD_PROGRESS=0/1 overrides).
         process_group: group to load over (default: the default group).
         device_mesh: the mesh the model is sharded on (for the device type).
         threads: native copy threads on the reader.
         read_mode: "auto", "mmap" or "pread".
-        readers: who reads: "src" (``src_rank`` reads and scatters), "owners"
-            (every rank reads its own shards, no transport), "node" (one
-            reader per node scatters within its node), or "auto" (the
-            default: owners when every rank sees the same files, node when
-            each node has a rank that does, else src). The choice and the
-            reason are in ``LoadReport.reader``.
-        map_files: on the CPU, a shard this rank reads itself that is one
-            contiguous run of one checkpoint tensor in the parameter's dtype
-            becomes a copy-on-write view of the file (as safetensors gives
-            CPU tensors) rather than a copy; the file is never written.
-            False: private copies (choose it if the files may be rewritten
-            in place while the model lives).
+        readers: who reads (a ReaderMode or its name): "src" (``src_rank`` reads and scatters), "owners"
+            (every rank reads its own shards, no transport), "node" (one reader per node scatters within
+            its node), or "auto" (the default: owners when every rank sees the same files, node when each
+            node has a rank that does, else src). The choice and the reason are in ``LoadReport.reader``.
+        map_files: on the CPU, a shard this rank reads itself that is one contiguous run of one checkpoint
+            tensor in the parameter's dtype becomes a copy-on-write view of the file (as safetensors gives
+            CPU tensors) rather than a copy; the file is never written. False: private copies (choose it
+            if the files may be rewritten in place while the model lives).
 
     Returns:
         A LoadReport.
@@ -81,19 +74,8 @@ def load_checkpoint(
         >>> fully_shard(model)
         >>> report = streamload.load_checkpoint(model, "/ckpt")
     """
-    options = LoadOptions(
-        src_rank=src_rank,
-        strict=strict,
-        bucket_bytes=bucket_bytes,
-        slots=slots,
-        progress=progress,
-        process_group=process_group,
-        device_mesh=device_mesh,
-        threads=threads,
-        read_mode=read_mode,
-        readers=readers,
-        map_files=map_files,
-    )
+    knobs = locals()  # every keyword above is a LoadOptions field of the same name
+    options = LoadOptions(**{f.name: knobs[f.name] for f in fields(LoadOptions)})
     return run_load(model, path, options)
 
 

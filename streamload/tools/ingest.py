@@ -25,14 +25,13 @@ import torch
 
 from ..dist.pack import add_box_ops
 from ..errors import CheckpointError, KeyMismatchError
+from ..integrations.pretrained import meta_model
 from ..io.checkpoint import INDEX_NAME, Checkpoint
 from ..io.copy_ops import ITEMSIZE, ST_DTYPES, OpBatch, contiguous_strides
 from ..model.state import ignore_patterns, record_state
-from ..plan.buckets import Target, validate_shapes
+from ..plan.buckets import ALIGN, Target, validate_shapes
 from ..plan.convert import FallbackSources, plan_conversions
 from ..plan.keys import match_keys
-
-ALIGN = 8
 
 
 @dataclass
@@ -54,15 +53,6 @@ def parse_size(text: str | int) -> int:
         if t.endswith(unit):
             return int(float(t[: -len(unit)]) * mult)
     return int(t)
-
-
-def _meta_model(src: Path) -> Any:
-    from accelerate import init_empty_weights
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    config = AutoConfig.from_pretrained(src)
-    with init_empty_weights(include_buffers=False):
-        return AutoModelForCausalLM.from_config(config, dtype=getattr(config, "dtype", None) or torch.float32)
 
 
 def _out_dtype(src_dtype: str, want: torch.dtype | None) -> str:
@@ -140,7 +130,7 @@ def ingest(
     if dst_p.exists():
         raise CheckpointError("destination exists; ingest never overwrites", str(dst_p))
     ckpt = Checkpoint(src_p, threads=threads)
-    model = _meta_model(src_p)
+    model = meta_model(src_p)
     state = record_state(model)
     table = {t.name: (t.dtype, t.shape, t.file) for t in ckpt.tensors}
     shapes = {n: tuple(t.shape) for n, t in state.targets().items()}

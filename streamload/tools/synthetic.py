@@ -11,48 +11,22 @@ from typing import Any
 import torch
 
 # Small configs per architecture; sizes are scaled by `make_config`.
+_ATTENTION: dict[str, Any] = dict(hidden_size=32, num_attention_heads=4, num_key_value_heads=2)
+_EXPERTS: dict[str, Any] = dict(num_experts=6, num_experts_per_tok=2)
 BASE_CONFIGS: dict[str, dict[str, Any]] = {
-    "qwen2": dict(hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2),
-    "llama": dict(hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2),
-    "qwen3": dict(
-        hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=8
-    ),
-    "qwen3_moe": dict(
-        hidden_size=32,
-        intermediate_size=64,
-        moe_intermediate_size=16,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=8,
-        num_experts=6,
-        num_experts_per_tok=2,
-    ),
+    "qwen2": dict(_ATTENTION, intermediate_size=64),
+    "llama": dict(_ATTENTION, intermediate_size=64),
+    "qwen3": dict(_ATTENTION, intermediate_size=64, head_dim=8),
+    "qwen3_moe": dict(_ATTENTION, **_EXPERTS, intermediate_size=64, moe_intermediate_size=16, head_dim=8),
     "qwen2_moe": dict(
-        hidden_size=32,
+        _ATTENTION,
+        **_EXPERTS,
         intermediate_size=64,
         moe_intermediate_size=16,
         shared_expert_intermediate_size=24,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        num_experts=6,
-        num_experts_per_tok=2,
     ),
-    "mixtral": dict(
-        hidden_size=32,
-        intermediate_size=16,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        num_local_experts=6,
-        num_experts_per_tok=2,
-    ),
-    "olmoe": dict(
-        hidden_size=32,
-        intermediate_size=16,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        num_experts=6,
-        num_experts_per_tok=2,
-    ),
+    "mixtral": dict(_ATTENTION, intermediate_size=16, num_local_experts=6, num_experts_per_tok=2),
+    "olmoe": dict(_ATTENTION, **_EXPERTS, intermediate_size=16),
     "gpt2": dict(n_embd=32, n_head=4, n_positions=64),
 }
 

@@ -26,6 +26,8 @@ from typing import Any
 
 import torch
 
+from ...io.copy_ops import bit_view
+
 SAMPLE_SECONDS = 0.01
 
 
@@ -117,11 +119,6 @@ def _tie_held(model: Any) -> bool | None:
     return head is not None and head.weight is emb.weight
 
 
-def _bits(t: torch.Tensor) -> torch.Tensor:
-    t = t.detach().contiguous().reshape(-1)
-    return t.view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
-
-
 def _file_mappings() -> list[tuple[int, int]]:
     """Address ranges of this process's file-backed mappings."""
     out = []
@@ -171,9 +168,9 @@ def _touch(shards: list[torch.Tensor]) -> None:
 
 def _verify(model: Any, ckpt: str, dtype: torch.dtype, rank: int) -> list[str]:
     """Every parameter and buffer against transformers' from_pretrained (rank 0 decides)."""
-    from .strategies import _quiet_from_pretrained
+    from .strategies import quiet_from_pretrained
 
-    ref = _quiet_from_pretrained(ckpt, dtype) if rank == 0 else None
+    ref = quiet_from_pretrained(ckpt, dtype) if rank == 0 else None
     ref_state = dict(ref.named_parameters()) | dict(ref.named_buffers()) if ref is not None else {}
     bad = []
     for name, t in list(model.named_parameters()) + list(model.named_buffers()):
@@ -184,7 +181,7 @@ def _verify(model: Any, ckpt: str, dtype: torch.dtype, rank: int) -> list[str]:
                 r is None
                 or r.shape != full.shape
                 or r.dtype != full.dtype
-                or not torch.equal(_bits(r), _bits(full))
+                or not torch.equal(bit_view(r), bit_view(full))
             ):
                 bad.append(name)
     return bad
@@ -391,19 +388,19 @@ class _StrategyFailed(Exception):
     pass
 
 
-def run_strategy(
-    strategy: str,
-    ckpt: str,
-    world: int,
-    *,
-    dtype: str = "bfloat16",
-    verify: bool = True,
-    timeout: float = 900.0,
-    **opts: Any,
-) -> RunResult:
-    """Loads ``ckpt`` with ``strategy`` on ``world`` fresh gloo ranks and measures it."""
+def run_strategy(strategy: str, ckpt: str, world: int, **kwargs: Any) -> RunResult:
+    """Loads ``ckpt`` with ``strategy`` on ``world`` fresh gloo ranks and measures it.
+
+    Args:
+        strategy, ckpt: see ``BenchGroup.run``.
+        world: how many ranks.
+        kwargs: ``BenchGroup.run``'s keywords (dtype, verify, timeout) and the strategy's options.
+
+    Returns:
+        The measured RunResult.
+    """
     group = BenchGroup(world)
     try:
-        return group.run(strategy, ckpt, dtype=dtype, verify=verify, timeout=timeout, **opts)
+        return group.run(strategy, ckpt, **kwargs)
     finally:
         group.close()

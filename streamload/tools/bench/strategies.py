@@ -16,8 +16,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ...integrations.pretrained import default_shard_fn, meta_model
 
-def _quiet_from_pretrained(ckpt: str, dtype: torch.dtype, **kw: Any) -> nn.Module:
+
+def quiet_from_pretrained(ckpt: str, dtype: torch.dtype, **kw: Any) -> nn.Module:
+    """transformers' ``from_pretrained`` with its logging, progress bars and warnings silenced."""
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging
 
@@ -26,15 +29,6 @@ def _quiet_from_pretrained(ckpt: str, dtype: torch.dtype, **kw: Any) -> nn.Modul
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         return AutoModelForCausalLM.from_pretrained(ckpt, dtype=dtype, **kw)
-
-
-def _meta_model(ckpt: str, dtype: torch.dtype) -> nn.Module:
-    from accelerate import init_empty_weights
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    config = AutoConfig.from_pretrained(ckpt)
-    with init_empty_weights(include_buffers=False):
-        return AutoModelForCausalLM.from_config(config, dtype=dtype)
 
 
 def load_streamload(ckpt: str, mesh: Any, dtype: torch.dtype, opts: dict[str, Any]) -> nn.Module:
@@ -69,7 +63,7 @@ def load_hf_native(ckpt: str, mesh: Any, dtype: torch.dtype, opts: dict[str, Any
     """transformers' own distributed from_pretrained (DistributedConfig with FSDP2)."""
     from transformers.distributed.configuration_utils import DistributedConfig
 
-    return _quiet_from_pretrained(
+    return quiet_from_pretrained(
         ckpt, dtype, distributed_config=DistributedConfig(fsdp_size=dist.get_world_size())
     )
 
@@ -79,13 +73,11 @@ def load_rank0_broadcast(ckpt: str, mesh: Any, dtype: torch.dtype, opts: dict[st
     set_model_state_dict(broadcast_from_rank0=True), buffers broadcast, tie_weights."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
-    from streamload.integrations.pretrained import default_shard_fn
-
     if dist.get_rank() == 0:
-        model = _quiet_from_pretrained(ckpt, dtype)
+        model = quiet_from_pretrained(ckpt, dtype)
         full_state = model.state_dict()
     else:
-        model = _meta_model(ckpt, dtype)
+        model = meta_model(ckpt, dtype)
         full_state = {}
     default_shard_fn(model, mesh)
     if dist.get_rank() != 0:
@@ -103,21 +95,19 @@ def load_rank0_broadcast(ckpt: str, mesh: Any, dtype: torch.dtype, opts: dict[st
 
 def load_all_ranks(ckpt: str, mesh: Any, dtype: torch.dtype, opts: dict[str, Any]) -> nn.Module:
     """verl's way for tied models: every rank from_pretrained, then fully_shard."""
-    from streamload.integrations.pretrained import default_shard_fn
 
-    model = _quiet_from_pretrained(ckpt, dtype)
+    model = quiet_from_pretrained(ckpt, dtype)
     default_shard_fn(model, mesh)
     return model
 
 
 def load_accelerate_efficient(ckpt: str, mesh: Any, dtype: torch.dtype, opts: dict[str, Any]) -> nn.Module:
     """from_pretrained under accelerate's FSDP cpu_ram_efficient_loading flags."""
-    from streamload.integrations.pretrained import default_shard_fn
 
     os.environ["ACCELERATE_USE_FSDP"] = "true"
     os.environ["FSDP_CPU_RAM_EFFICIENT_LOADING"] = "true"
     try:
-        model = _quiet_from_pretrained(ckpt, dtype)
+        model = quiet_from_pretrained(ckpt, dtype)
     finally:
         os.environ.pop("ACCELERATE_USE_FSDP", None)
         os.environ.pop("FSDP_CPU_RAM_EFFICIENT_LOADING", None)
@@ -129,9 +119,7 @@ def load_dcp_hf(ckpt: str, mesh: Any, dtype: torch.dtype, opts: dict[str, Any]) 
     """meta, fully_shard, to_empty, torch.distributed.checkpoint.load with HuggingFaceStorageReader."""
     import torch.distributed.checkpoint as dcp
 
-    from streamload.integrations.pretrained import default_shard_fn
-
-    model = _meta_model(ckpt, dtype)
+    model = meta_model(ckpt, dtype)
     buffers = {n: b.detach().clone() for n, b in model.named_buffers()}
     default_shard_fn(model, mesh)
     model.to_empty(device=mesh.device_type)
