@@ -106,6 +106,39 @@ void validate(const CopyOp& op, size_t idx, size_t nfiles, const std::vector<con
   if (lo < 0 || (hi + 1) * di > op.dst_nbytes) throw bad("region writes outside the destination buffer");
 }
 
+// Sub-byte dtypes (F4, F6_*) are copied as bytes: the innermost dim must be
+// contiguous on both sides and every offset, stride and row a whole number
+// of bytes. Returns the op rewritten over U8, or throws for a region that
+// starts or ends inside a byte.
+CopyOp as_bytes(const CopyOp& op, size_t idx) {
+  DType d = static_cast<DType>(op.src_dtype);
+  const int64_t bits = static_cast<int64_t>(dtype_bits(d));
+  auto bad = [&](const std::string& why) {
+    return CopyError("copy op " + std::to_string(idx) + ": " + dtype_name(d) + " is " +
+                     std::to_string(bits) + "-bit and is copied as bytes: " + why, static_cast<int64_t>(idx));
+  };
+  CopyOp out = op;
+  out.src_dtype = out.dst_dtype = static_cast<int64_t>(DType::U8);
+  if (numel(op) == 0) return out;
+  if (op.ndim == 0) throw bad("a single element is not a whole byte");
+  auto whole = [&](int64_t elems, const char* what) {
+    if ((elems * bits) % 8 != 0) throw bad(std::string(what) + " is not byte-aligned");
+    return elems * bits / 8;
+  };
+  int last = op.ndim - 1;
+  if (op.shape[last] > 1 && (op.src_stride[last] != 1 || op.dst_stride[last] != 1))
+    throw bad("the innermost dim must be contiguous");
+  out.shape[last] = whole(op.shape[last], "the innermost extent");
+  out.src_stride[last] = out.dst_stride[last] = 1;
+  for (int i = 0; i < last; ++i) {
+    out.src_stride[i] = op.shape[i] == 1 ? 0 : whole(op.src_stride[i], "a source stride");
+    out.dst_stride[i] = op.shape[i] == 1 ? 0 : whole(op.dst_stride[i], "a destination stride");
+  }
+  out.src_offset = whole(op.src_offset, "the source offset");
+  out.dst_offset = whole(op.dst_offset, "the destination offset");
+  return out;
+}
+
 template <typename S, typename D, typename F>
 inline void run_loop(const char* s, char* d, int64_t n, int64_t ss, int64_t ds, F cvt) {
   const S* sp = reinterpret_cast<const S*>(s);
@@ -172,6 +205,21 @@ void stream_copy(char* d, const char* s, size_t n) {
   std::memcpy(d, s, n);
 }
 
+// fp8 widens exactly to f32; narrower targets then round from that f32 with
+// torch's NaN conventions (see f8_to_bf16, f32_to_f16_keep_nan).
+void fp8_run(DType sd, DType dd, const char* s, char* d, int64_t n, int64_t ss, int64_t ds) {
+  auto wide = sd == DType::F8_E4M3 ? f8e4m3_to_f32 : f8e5m2_to_f32;
+  switch (dd) {
+    case DType::BF16:
+      return run_loop<uint8_t, uint16_t>(s, d, n, ss, ds, [&](uint8_t v) { return f8_to_bf16(wide(v)); });
+    case DType::F16:
+      return run_loop<uint8_t, uint16_t>(s, d, n, ss, ds, [&](uint8_t v) { return f32_to_f16_keep_nan(wide(v)); });
+    case DType::F32: return run_loop<uint8_t, float>(s, d, n, ss, ds, wide);
+    default:
+      return run_loop<uint8_t, double>(s, d, n, ss, ds, [&](uint8_t v) { return static_cast<double>(wide(v)); });
+  }
+}
+
 // Copies one contiguous-or-strided run of n elements.
 void copy_run(DType sd, DType dd, const char* s, char* d, int64_t n, int64_t ss, int64_t ds) {
   if (sd == dd && ss == 1 && ds == 1) {
@@ -188,6 +236,9 @@ void copy_run(DType sd, DType dd, const char* s, char* d, int64_t n, int64_t ss,
   if (sd == DType::F16 && dd == DType::F32) return run_loop<uint16_t, float>(s, d, n, ss, ds, f16_to_f32);
   if (sd == DType::F32 && dd == DType::BF16) return run_loop<float, uint16_t>(s, d, n, ss, ds, f32_to_bf16);
   if (sd == DType::F32 && dd == DType::F16) return run_loop<float, uint16_t>(s, d, n, ss, ds, f32_to_f16);
+  // fp8 widens exactly to f32; bf16/f16 then round from that f32 as c10's
+  // static_cast chain does.
+  if (sd == DType::F8_E4M3 || sd == DType::F8_E5M2) return fp8_run(sd, dd, s, d, n, ss, ds);
   size_t si = dtype_itemsize(sd), di = dtype_itemsize(dd);
   for (int64_t i = 0; i < n; ++i) store_f(dd, d + i * ds * di, load_f(sd, s + i * ss * si));
 }
@@ -225,6 +276,8 @@ void bus_handler(int sig, siginfo_t* info, void* ctx) {
   raise(SIGBUS);
 }
 
+}  // namespace
+
 // (Re)installs the handler when someone else (faulthandler, say) took SIGBUS
 // since; theirs is kept and chained for faults outside our copies.
 void install_bus_handler() {
@@ -241,16 +294,22 @@ void install_bus_handler() {
   sigaction(SIGBUS, &sa, &g_previous_bus);
 }
 
-// Runs copy_region from a mapping; a SIGBUS becomes a FileError.
-void guarded_copy(DType sd, DType dd, const char* s, char* d, const Region& r, const MappedFile* f) {
+void run_guarded(const MappedFile* f, const std::function<void()>& body) {
   sigjmp_buf jump;
   if (sigsetjmp(jump, 0) != 0) {
     tl_bus_jump = nullptr;
     throw FileError("bus error reading the mapped file: it was truncated or replaced while loading", f->path());
   }
   tl_bus_jump = &jump;
-  copy_region(sd, dd, s, d, r);
+  body();
   tl_bus_jump = nullptr;
+}
+
+namespace {
+
+// Runs copy_region from a mapping; a SIGBUS becomes a FileError.
+void guarded_copy(DType sd, DType dd, const char* s, char* d, const Region& r, const MappedFile* f) {
+  run_guarded(f, [&] { copy_region(sd, dd, s, d, r); });
 }
 
 struct Piece {
@@ -273,7 +332,19 @@ size_t default_threads() {
 
 CopyEngine::CopyEngine(size_t threads) : pool_(threads ? threads : default_threads()) {}
 
-uint64_t CopyEngine::execute(const std::vector<const MappedFile*>& files, const CopyOp* ops, size_t n) {
+uint64_t CopyEngine::execute(const std::vector<const MappedFile*>& files, const CopyOp* in_ops, size_t n) {
+  std::vector<CopyOp> byte_ops;  // only when some op is sub-byte
+  const CopyOp* ops = in_ops;
+  for (size_t i = 0; i < n; ++i) {
+    const CopyOp& op = in_ops[i];
+    bool sub = op.src_dtype >= 0 && op.src_dtype < static_cast<int64_t>(DType::COUNT) &&
+               dtype_sub_byte(static_cast<DType>(op.src_dtype));
+    if (sub && op.src_dtype == op.dst_dtype) {
+      if (byte_ops.empty()) byte_ops.assign(in_ops, in_ops + n);
+      byte_ops[i] = as_bytes(op, i);
+    }
+  }
+  if (!byte_ops.empty()) ops = byte_ops.data();
   for (size_t i = 0; i < n; ++i) validate(ops[i], i, files.size(), files);
   for (const MappedFile* f : files) {
     if (f->mapped()) {

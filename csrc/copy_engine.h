@@ -5,6 +5,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <stdexcept>
 #include <string>
@@ -46,6 +47,8 @@ class CopyEngine {
  public:
   explicit CopyEngine(size_t threads);
   size_t threads() const { return pool_.size(); }
+  // The workers, shared with the other ops this engine runs (dequantization).
+  ThreadPool& pool() { return pool_; }
 
   // Validates every op, then executes them all; returns bytes read.
   uint64_t execute(const std::vector<const MappedFile*>& files, const CopyOp* ops, size_t n);
@@ -57,6 +60,14 @@ class CopyEngine {
  private:
   ThreadPool pool_;
 };
+
+// Installs the SIGBUS handler that run_guarded relies on (idempotent).
+void install_bus_handler();
+
+// Runs body() reading from mapping f; a SIGBUS raised because the file was
+// truncated while mapped becomes a FileError instead of killing the process.
+// body must own no resources that need destructors (it is jumped out of).
+void run_guarded(const MappedFile* f, const std::function<void()>& body);
 
 // Threads to use when the caller does not say: the CPUs this process may run on.
 size_t default_threads();

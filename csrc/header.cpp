@@ -47,8 +47,14 @@ TensorEntry parse_entry(const std::string& name, const JsonValue& v, uint64_t da
   if (e.end > data_size)
     throw bad("data_offsets end " + std::to_string(e.end) + " is past the data section (" +
               std::to_string(data_size) + " bytes)");
-  uint64_t nbytes;
-  if (mul_overflows(numel, dtype_itemsize(e.dtype), &nbytes)) throw bad("byte size overflows");
+  // Sized in bits, as safetensors does, so sub-byte dtypes (F4, F6_*) fit;
+  // a tensor must still fill a whole number of bytes.
+  uint64_t nbits;
+  if (mul_overflows(numel, dtype_bits(e.dtype), &nbits)) throw bad("byte size overflows");
+  if (nbits % 8 != 0)
+    throw bad(std::to_string(numel) + " elements of " + dtype_name(e.dtype) + " are " +
+              std::to_string(nbits) + " bits, not a whole number of bytes");
+  uint64_t nbytes = nbits / 8;
   if (nbytes != e.end - e.begin)
     throw bad("shape x itemsize = " + std::to_string(nbytes) + " bytes but data_offsets span " +
               std::to_string(e.end - e.begin));

@@ -1,12 +1,20 @@
 // A fixed pool of worker threads that runs `n` indexed tasks to completion.
 // The calling thread works too, so a pool of one thread spawns nothing.
+//
+// Fork-safe: a child of fork() has none of the parent's workers, and the
+// pool's mutexes may have been held by one of them at the fork. The pool
+// notices the new pid on its next run() (or destruction), abandons the old
+// threads and locks without touching them, and starts fresh workers.
 #pragma once
+
+#include <sys/types.h>
 
 #include <atomic>
 #include <condition_variable>
 #include <cstddef>
 #include <exception>
 #include <functional>
+#include <memory>
 #include <mutex>
 #include <thread>
 #include <vector>
@@ -20,27 +28,36 @@ class ThreadPool {
   ThreadPool(const ThreadPool&) = delete;
   ThreadPool& operator=(const ThreadPool&) = delete;
 
-  size_t size() const { return workers_.size() + 1; }
+  size_t size() const { return threads_; }
 
   // Runs task(i) for i in [0, n); rethrows the first exception after every
   // started task has finished, so no worker touches caller memory afterwards.
   void run(size_t n, const std::function<void(size_t)>& task);
 
  private:
-  void worker_loop();
-  void drain();
+  // Everything the workers share; replaced wholesale in a forked child.
+  struct State {
+    std::mutex mu;
+    std::mutex run_mu;  // one run() at a time
+    std::condition_variable wake, done;
+    const std::function<void(size_t)>* task = nullptr;
+    size_t n = 0;
+    std::atomic<size_t> next{0};
+    size_t finished = 0;
+    uint64_t generation = 0;
+    bool stop = false;
+    std::exception_ptr error;
+  };
 
+  void start();
+  void after_fork();
+  static void worker_loop(State* st);
+  static void drain(State* st);
+
+  size_t threads_;
+  pid_t pid_;
+  std::unique_ptr<State> st_;
   std::vector<std::thread> workers_;
-  std::mutex mu_;
-  std::mutex run_mu_;  // one run() at a time
-  std::condition_variable wake_, done_;
-  const std::function<void(size_t)>* task_ = nullptr;
-  size_t n_ = 0;
-  std::atomic<size_t> next_{0};
-  size_t finished_ = 0;
-  uint64_t generation_ = 0;
-  bool stop_ = false;
-  std::exception_ptr error_;
 };
 
 }  // namespace streamload
