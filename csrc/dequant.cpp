@@ -185,12 +185,17 @@ void run_piece(const DequantOp& op, const Geometry& g, const Piece& p, const cha
     for (int64_t c = op.c0; c < c1;) {
       const int64_t blk = c / op.block_c;
       const int64_t cend = std::min(c1, (blk + 1) * op.block_c);
-      const float sc = load_scale(sd, srow + blk * g.s_isz);
+      const float sc = fp4 ? t.pow2[static_cast<uint8_t>(srow[blk * g.s_isz])] : load_scale(sd, srow + blk * g.s_isz);
       if (fp4) {
+        // torch.ldexp rounds x * 2^e once. Multiplying by the power of two
+        // does the same whenever 2^e is a float32 (e <= 127); e = 128
+        // (byte 255) needs the real ldexp: 0.5 * 2^128 is finite.
+        const uint8_t eb = static_cast<uint8_t>(srow[blk * g.s_isz]);
         for (; c < cend; ++c) {
           uint8_t byte = wrow[c >> 1];
           float v = t.e2m1[(c & 1) ? (byte >> 4) : (byte & 0x0F)];
-          store(dst + (drow + (c - op.c0) * op.dst_stride_c) * g.d_isz, v * sc);
+          float out = eb == 0xFF ? std::ldexp(v, 128) : v * sc;
+          store(dst + (drow + (c - op.c0) * op.dst_stride_c) * g.d_isz, out);
         }
       } else {
         for (; c < cend; ++c) store(dst + (drow + (c - op.c0) * op.dst_stride_c) * g.d_isz, wl[wrow[c]] * sc);
@@ -204,7 +209,11 @@ void dispatch(const DequantOp& op, const Geometry& g, const Piece& p, const char
   char* dst = reinterpret_cast<char*>(op.dst);
   switch (static_cast<DType>(op.dst_dtype)) {
     case DType::BF16:
-      return run_piece(op, g, p, w, s, dst, [](char* d, float v) { uint16_t h = f32_to_bf16(v); std::memcpy(d, &h, 2); });
+      return run_piece(op, g, p, w, s, dst, [](char* d, float v) {
+        // torch's vectorised f32 -> bf16 cast writes every NaN as 0xFFFF.
+        uint16_t h = std::isnan(v) ? static_cast<uint16_t>(0xFFFF) : f32_to_bf16(v);
+        std::memcpy(d, &h, 2);
+      });
     case DType::F16:
       return run_piece(op, g, p, w, s, dst, [](char* d, float v) { uint16_t h = f32_to_f16_keep_nan(v); std::memcpy(d, &h, 2); });
     case DType::F32:

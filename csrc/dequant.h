@@ -6,12 +6,14 @@
 //    W [B, R, C] float8_e4m3fn (or e5m2), S [B, ceil(R/br), ceil(C/bc)]
 //    (float32 `weight_scale_inv`, or bf16/f16/e8m0);
 //    out[b,i,j] = round_to_dst(float(W[b,i,j]) * float(S[b, i/br, j/bc]))
-//    with the product formed in float32.
+//    with the product formed in float32. (transformers derives the block
+//    from the grid, rows / ceil(rows / br); for shapes that do not divide
+//    the block the configured block is used here, as DeepSeek's own kernel.)
 //  MXFP4 (GPT-OSS style, transformers' _convert_moe_packed_tensors):
 //    blocks [B, R, C/2] bytes, two e2m1 values each (low nibble first),
 //    scales [B, R, C/32] uint8 e8m0;
-//    out[b,i,k] = round_to_dst(e2m1(k) * 2^(scale - 127)), the power of two
-//    and the product in float32 (torch.ldexp's pow(2, e) then multiply).
+//    out[b,i,k] = round_to_dst(ldexpf(e2m1(k), scale - 127)): torch.ldexp
+//    rounds the exact product once to float32, then .to() rounds to dst.
 //
 // A box is any sub-range of batch items, rows and columns: only the weight
 // bytes and scale entries it needs are read. The destination is strided, so

@@ -1,0 +1,309 @@
+"""Dequantizing copy ops against transformers' own dequantization, bit for bit:
+FP8 block-scaled (Fp8Dequantize, the `dequantize=True` load path) and MXFP4
+(convert_moe_packed_tensors), on whole tensors, sub-boxes, strided and fused
+destinations, from memory and from files in both read modes."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import save_file
+from transformers.integrations.finegrained_fp8 import Fp8Dequantize
+from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+try:
+    from streamload.io import _native as native
+except ImportError:
+    from streamload import _native as native
+from streamload.errors import CopyOpError
+
+ext = native._ext
+CODES: dict[str, int] = dict(ext.DTYPE_CODES)
+KINDS: dict[str, int] = dict(ext.DEQUANT_KINDS)
+OUT = [
+    (torch.bfloat16, "BF16", torch.int16),
+    (torch.float32, "F32", torch.int32),
+    (torch.float16, "F16", torch.int16),
+]
+ENGINE = native.CopyEngine(2)
+
+
+def _op(
+    kind: str, w: tuple[int, int, int, str], s: tuple[int, int, int, str], dst: torch.Tensor, dims: tuple[int, int, int],
+    block: tuple[int, int], box: tuple[int, int, int, int, int, int] | None = None, dst_offset: int = 0,
+    dst_strides: tuple[int, int, int] | None = None,
+) -> list[int]:  # fmt: skip
+    """One op row: w/s are (file, src, nbytes, dtype) with file -1 for an address."""
+    batch, rows, cols = dims
+    box = box or (0, batch, 0, rows, 0, cols)
+    strides = dst_strides or (box[3] * box[5], box[5], 1)
+    dname = {torch.bfloat16: "BF16", torch.float32: "F32", torch.float16: "F16", torch.float64: "F64"}[
+        dst.dtype
+    ]
+    return [
+        KINDS[kind], w[0], w[1], w[2], CODES[w[3]], s[0], s[1], s[2], CODES[s[3]],
+        dst.data_ptr(), dst.numel() * dst.element_size(), CODES[dname], batch, rows, cols, *block, *box,
+        dst_offset, *strides,
+    ]  # fmt: skip
+
+
+def _run(rows: list[list[int]], files: list[object] | None = None, engine: object = ENGINE) -> int:
+    arr = np.ascontiguousarray(np.array(rows, dtype=np.int64))
+    assert arr.shape[1] == ext.DEQUANT_FIELDS
+    return ext.dequantize(engine, files or [], arr.ctypes.data, arr.nbytes)
+
+
+def _mem(t: torch.Tensor, dtype: str) -> tuple[int, int, int, str]:
+    return (-1, t.data_ptr(), t.numel() * t.element_size(), dtype)
+
+
+def _fp8_weight(rows: int, cols: int, seed: int) -> torch.Tensor:
+    """Random e4m3 bytes plus the hard cases: NaN (0x7F/0xFF), +-448 (0x7E/0xFE),
+    +-0, the smallest subnormals and the largest subnormal."""
+    gen = torch.Generator().manual_seed(seed)
+    raw = torch.randint(0, 256, (rows, cols), generator=gen, dtype=torch.uint8)
+    special = torch.tensor(
+        [0x7F, 0xFF, 0x7E, 0xFE, 0x00, 0x80, 0x01, 0x81, 0x07, 0x87, 0x08], dtype=torch.uint8
+    )
+    raw.view(-1)[: special.numel()] = special
+    raw.view(-1)[-special.numel() :] = special
+    return raw.view(torch.float8_e4m3fn)
+
+
+def _scales(sr: int, sc: int, seed: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    s = torch.rand(sr, sc, generator=gen) * torch.logspace(-40, 3, sr * sc).view(sr, sc)
+    s.view(-1)[0] = 0.0  # zero scale (a block that was all zeros)
+    if s.numel() > 2:
+        s.view(-1)[1] = 1e-41  # float32 subnormal scale
+        s.view(-1)[2] = 3.0e38  # products overflow to inf
+    return s
+
+
+def _same(a: torch.Tensor, b: torch.Tensor, bits: torch.dtype) -> None:
+    assert a.shape == b.shape
+    diff = (a.view(bits) != b.view(bits)).nonzero()
+    assert diff.numel() == 0, f"{len(diff)} elements differ, first at {diff[0].tolist()}"
+
+
+@pytest.mark.parametrize(("dtype", "name", "bits"), OUT)
+def test_fp8_whole_tensor_matches_transformers(dtype: torch.dtype, name: str, bits: torch.dtype) -> None:
+    w = _fp8_weight(384, 512, seed=1)
+    s = _scales(3, 4, seed=2)
+    ref = Fp8Dequantize(None)._dequantize_one(w, s, output_dtype=dtype)
+    out = torch.empty(384, 512, dtype=dtype)
+    _run([_op("fp8_block", _mem(w, "F8_E4M3"), _mem(s, "F32"), out, (1, 384, 512), (128, 128))])
+    _same(out, ref, bits)
+    assert torch.isnan(ref).any() and torch.isinf(ref).any() and (ref == 0).any()
+
+
+@pytest.mark.parametrize(("dtype", "name", "bits"), OUT[:2])
+@pytest.mark.parametrize(
+    "box",
+    [
+        (77, 100, 0, 512),
+        (0, 384, 130, 126),
+        (127, 2, 127, 2),
+        (200, 184, 300, 212),
+        (383, 1, 511, 1),
+        (5, 0, 0, 7),
+    ],
+)
+def test_fp8_sub_boxes_starting_inside_a_block(
+    dtype: torch.dtype, name: str, bits: torch.dtype, box: tuple[int, int, int, int]
+) -> None:
+    w = _fp8_weight(384, 512, seed=3)
+    s = _scales(3, 4, seed=4)
+    ref = Fp8Dequantize(None)._dequantize_one(w, s, output_dtype=dtype)
+    r0, nr, c0, nc = box
+    out = torch.full((nr, nc), 7.0, dtype=dtype)
+    _run([_op("fp8_block", _mem(w, "F8_E4M3"), _mem(s, "F32"), out, (1, 384, 512), (128, 128),
+              box=(0, 1, r0, nr, c0, nc))])  # fmt: skip
+    _same(out, ref[r0 : r0 + nr, c0 : c0 + nc], bits)
+
+
+def _block_reference(
+    w: torch.Tensor, s: torch.Tensor, block: tuple[int, int], dtype: torch.dtype
+) -> torch.Tensor:
+    """Fp8Dequantize's arithmetic (fp32 product, one rounding) on the ceil-block
+    grid: transformers derives the block from the grid, which only agrees with
+    the configured block when the shape divides it."""
+    rows, cols = w.shape
+    full = s.float().repeat_interleave(block[0], 0)[:rows].repeat_interleave(block[1], 1)[:, :cols]
+    return (w.float() * full).to(dtype)
+
+
+@pytest.mark.parametrize(("dtype", "name", "bits"), OUT)
+def test_fp8_uneven_shapes_use_the_configured_block(dtype: torch.dtype, name: str, bits: torch.dtype) -> None:
+    rows, cols = 300, 200  # neither divides 128: scale grid [3, 2]
+    w = _fp8_weight(rows, cols, seed=5)
+    s = _scales(3, 2, seed=6)
+    ref = _block_reference(w, s, (128, 128), dtype)
+    out = torch.empty(rows, cols, dtype=dtype)
+    _run([_op("fp8_block", _mem(w, "F8_E4M3"), _mem(s, "F32"), out, (1, rows, cols), (128, 128))])
+    nan = torch.isnan(ref)
+    assert torch.equal(nan, torch.isnan(out))
+    _same(out[~nan], ref[~nan], bits)  # torch.to's NaN bits for the reference's path are its own
+    # The same shape where it divides the grid evenly agrees with transformers itself.
+    w2, s2 = _fp8_weight(256, 256, seed=7), _scales(2, 2, seed=8)
+    _same(_block_reference(w2, s2, (128, 128), dtype), Fp8Dequantize(None)._dequantize_one(w2, s2, output_dtype=dtype),
+          bits)  # fmt: skip
+
+
+def test_fp8_scale_dtypes_bf16_and_e8m0() -> None:
+    w = _fp8_weight(256, 256, seed=9)
+    for sdt, sname in [(torch.bfloat16, "BF16"), (torch.uint8, "U8"), (torch.float8_e8m0fnu, "F8_E8M0")]:
+        gen = torch.Generator().manual_seed(10)
+        s = torch.randint(100, 140, (2, 2), generator=gen, dtype=torch.uint8)
+        s = s.view(sdt) if sdt != torch.bfloat16 else torch.rand(2, 2, generator=gen).to(torch.bfloat16)
+        ref = Fp8Dequantize(None)._dequantize_one(w, s, output_dtype=torch.float32)
+        out = torch.empty(256, 256)
+        _run([_op("fp8_block", _mem(w, "F8_E4M3"), _mem(s, sname), out, (1, 256, 256), (128, 128))])
+        _same(out, ref, torch.int32)
+
+
+def test_fp8_experts_fuse_into_a_stacked_concatenated_destination() -> None:
+    """Per-expert gate/up [I, H] weights into gate_up_proj [E, 2I, H], and a
+    rank's shard of rows 50..150 of that fused tensor (crossing gate -> up)."""
+    n_exp, inter, hidden = 3, 96, 256
+    ws = [[_fp8_weight(inter, hidden, seed=20 + 2 * e + k) for k in range(2)] for e in range(n_exp)]
+    ss = [[_scales(1, 2, seed=40 + 2 * e + k) for k in range(2)] for e in range(n_exp)]
+    ref = torch.stack([
+        torch.cat([Fp8Dequantize(None)._dequantize_one(ws[e][k], ss[e][k], output_dtype=torch.bfloat16)
+                   for k in range(2)]) for e in range(n_exp)
+    ])  # fmt: skip
+    fused = torch.empty(n_exp, 2 * inter, hidden, dtype=torch.bfloat16)
+    rows = [
+        _op("fp8_block", _mem(ws[e][k], "F8_E4M3"), _mem(ss[e][k], "F32"), fused, (1, inter, hidden), (128, 128),
+            dst_offset=(e * 2 * inter + k * inter) * hidden, dst_strides=(0, hidden, 1))
+        for e in range(n_exp) for k in range(2)
+    ]  # fmt: skip
+    _run(rows)
+    _same(fused, ref, torch.int16)
+    shard = torch.empty(n_exp, 100, hidden, dtype=torch.bfloat16)  # fused rows 50..150
+    rows = []
+    for e in range(n_exp):
+        rows.append(_op("fp8_block", _mem(ws[e][0], "F8_E4M3"), _mem(ss[e][0], "F32"), shard, (1, inter, hidden),
+                        (128, 128), box=(0, 1, 50, 46, 0, hidden), dst_offset=e * 100 * hidden,
+                        dst_strides=(0, hidden, 1)))  # fmt: skip
+        rows.append(_op("fp8_block", _mem(ws[e][1], "F8_E4M3"), _mem(ss[e][1], "F32"), shard, (1, inter, hidden),
+                        (128, 128), box=(0, 1, 0, 54, 0, hidden), dst_offset=(e * 100 + 46) * hidden,
+                        dst_strides=(0, hidden, 1)))  # fmt: skip
+    _run(rows)
+    _same(shard, ref[:, 50:150], torch.int16)
+
+
+def test_fp8_large_op_splits_across_threads_identically() -> None:
+    w = _fp8_weight(1536, 2048, seed=11)  # 6 MiB of bf16: several pieces
+    s = _scales(12, 16, seed=12)
+    ref = Fp8Dequantize(None)._dequantize_one(w, s, output_dtype=torch.bfloat16)
+    for threads in (1, 2, 4):
+        out = torch.empty(1536, 2048, dtype=torch.bfloat16)
+        _run([_op("fp8_block", _mem(w, "F8_E4M3"), _mem(s, "F32"), out, (1, 1536, 2048), (128, 128))],
+             engine=native.CopyEngine(threads))  # fmt: skip
+        _same(out, ref, torch.int16)
+
+
+@pytest.mark.parametrize("mode", ["mmap", "pread"])
+def test_fp8_from_files_in_both_read_modes(tmp_path: Path, mode: str) -> None:
+    w = _fp8_weight(300, 260, seed=13)
+    s = _scales(3, 3, seed=14)
+    path = tmp_path / "q.safetensors"
+    save_file({"a.weight": w, "a.weight_scale_inv": s, "b": torch.ones(5)}, str(path))
+    sf = native.SafetensorsFile(str(path), mode)
+    ent = {e[0]: e for e in sf.tensors}
+    wb, we = ent["a.weight"][3:5]
+    sb, se = ent["a.weight_scale_inv"][3:5]
+    ref = _block_reference(w, s, (128, 128), torch.bfloat16)
+    for box in [(0, 1, 0, 300, 0, 260), (0, 1, 129, 100, 3, 250), (0, 1, 299, 1, 0, 260)]:
+        out = torch.empty(box[3], box[5], dtype=torch.bfloat16)
+        n = _run([_op("fp8_block", (0, wb, we - wb, "F8_E4M3"), (0, sb, se - sb, "F32"), out, (1, 300, 260),
+                      (128, 128), box=box)], files=[sf])  # fmt: skip
+        want = ref[box[2] : box[2] + box[3], box[4] : box[4] + box[5]]
+        nan = torch.isnan(want)
+        assert torch.equal(nan, torch.isnan(out)) and torch.equal(
+            out[~nan].view(torch.int16), want[~nan].view(torch.int16)
+        )
+        # Only the rows the box covers are read: weight bytes ~ box rows x row span.
+        assert n <= box[3] * 260 + 4 * 3 * 3 * 2
+
+
+def test_bad_ops_are_named_errors_and_write_nothing() -> None:
+    w = _fp8_weight(128, 128, seed=15)
+    s = _scales(1, 1, seed=16)
+    out = torch.full((128, 128), 5.0)
+    good = _op("fp8_block", _mem(w, "F8_E4M3"), _mem(s, "F32"), out, (1, 128, 128), (128, 128))
+    cases = {
+        "outside the tensor": _op("fp8_block", _mem(w, "F8_E4M3"), _mem(s, "F32"), out, (1, 128, 128), (128, 128),
+                                  box=(0, 1, 100, 29, 0, 128)),
+        "writes outside the destination": _op("fp8_block", _mem(w, "F8_E4M3"), _mem(s, "F32"), out, (1, 128, 128),
+                                              (128, 128), dst_offset=1),
+        "scale tensor has 4 bytes, the shape needs 8": _op("fp8_block", _mem(w, "F8_E4M3"), _mem(s, "F32"), out,
+                                                           (1, 128, 128), (128, 64)),
+        "FP8 weights must be F8_E4M3 or F8_E5M2": _op("fp8_block", _mem(w, "U8"), _mem(s, "F32"), out,
+                                                      (1, 128, 128), (128, 128)),
+        "weight tensor has 16384 bytes, the shape needs 32768": _op("fp8_block", _mem(w, "F8_E4M3"), _mem(s, "F32"),
+                                                                    out, (1, 256, 128), (256, 128)),
+    }  # fmt: skip
+    for why, row in cases.items():
+        with pytest.raises(CopyOpError, match=f"dequant op 1: .*{why}"):
+            _run([good, row])
+        assert (out == 5.0).all(), why
+
+
+# ---------------------------------------------------------------- MXFP4
+
+
+def _mxfp4(experts: int, rows: int, groups: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    blocks = torch.randint(0, 256, (experts, rows, groups, 16), generator=gen, dtype=torch.uint8)
+    scales = torch.randint(0, 256, (experts, rows, groups), generator=gen, dtype=torch.uint8)
+    scales.view(-1)[:256] = torch.arange(256, dtype=torch.uint8)[: scales.numel()]  # every exponent
+    return blocks, scales
+
+
+@pytest.mark.parametrize(("dtype", "name", "bits"), OUT)
+def test_mxfp4_matches_convert_moe_packed_tensors(dtype: torch.dtype, name: str, bits: torch.dtype) -> None:
+    n_exp, rows, groups = 3, 24, 4  # rows = 2I (gate/up interleaved), cols H = groups * 32
+    blocks, scales = _mxfp4(n_exp, rows, groups, seed=17)
+    ref = convert_moe_packed_tensors(blocks, scales, dtype=dtype)  # [E, H, 2I]: transposed
+    hidden = groups * 32
+    out = torch.empty(n_exp, hidden, rows, dtype=dtype)
+    _run([_op("mxfp4", _mem(blocks, "U8"), _mem(scales, "U8"), out, (n_exp, rows, hidden), (1, 32),
+              dst_strides=(hidden * rows, 1, rows))])  # fmt: skip
+    _same(out, ref, bits)
+
+
+def test_mxfp4_sub_boxes_of_the_transposed_layout() -> None:
+    """A rank's shard of the transformers layout [E, H, 2I] sharded on dim 0
+    (experts) or dim 1 (H, i.e. value columns starting mid-group)."""
+    n_exp, rows, groups = 4, 20, 3
+    blocks, scales = _mxfp4(n_exp, rows, groups, seed=18)
+    ref = convert_moe_packed_tensors(blocks, scales, dtype=torch.bfloat16)
+    hidden = groups * 32
+    for b0, nb, c0, nc in [(1, 2, 0, hidden), (0, 4, 45, 30), (3, 1, 95, 1), (0, 4, 1, 63)]:
+        out = torch.empty(nb, nc, rows, dtype=torch.bfloat16)
+        _run([_op("mxfp4", _mem(blocks, "U8"), _mem(scales, "U8"), out, (n_exp, rows, hidden), (1, 32),
+                  box=(b0, nb, 0, rows, c0, nc), dst_strides=(nc * rows, 1, rows))])  # fmt: skip
+        _same(out, ref[b0 : b0 + nb, c0 : c0 + nc], torch.int16)
+
+
+@pytest.mark.parametrize("mode", ["mmap", "pread"])
+def test_mxfp4_from_files(tmp_path: Path, mode: str) -> None:
+    n_exp, rows, groups = 2, 16, 2
+    blocks, scales = _mxfp4(n_exp, rows, groups, seed=19)
+    path = tmp_path / "m.safetensors"
+    save_file({"x.gate_up_proj_blocks": blocks, "x.gate_up_proj_scales": scales}, str(path))
+    sf = native.SafetensorsFile(str(path), mode)
+    ent = {e[0]: e for e in sf.tensors}
+    bb, be = ent["x.gate_up_proj_blocks"][3:5]
+    sb, se = ent["x.gate_up_proj_scales"][3:5]
+    hidden = groups * 32
+    ref = convert_moe_packed_tensors(blocks, scales, dtype=torch.float32)
+    out = torch.empty(n_exp, hidden, rows)
+    _run([_op("mxfp4", (0, bb, be - bb, "U8"), (0, sb, se - sb, "U8"), out, (n_exp, rows, hidden), (1, 32),
+              dst_strides=(hidden * rows, 1, rows))], files=[sf])  # fmt: skip
+    _same(out, ref, torch.int32)
