@@ -5,14 +5,15 @@ go straight from the files into its shards, with the full cast."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
 
 from ..io.copy_ops import ITEMSIZE, ST_DTYPES, OpBatch, contiguous_strides
 from ..plan.buckets import Bucket, Plan, Segment
-from ..plan.regions import Box, SourcePiece, regions_for_box
+from ..plan.quant import QuantTensor, dequant_region
+from ..plan.regions import Box, SourcePiece, SourceRegion, regions_for_box
 from ..io.sources import Source
 
 
@@ -52,6 +53,7 @@ def add_box_ops(
     dst_nbytes: int | None = None,
     virtual: Any = None,
     keep: list[torch.Tensor] | None = None,
+    quant: Mapping[str, QuantTensor] | None = None,
 ) -> None:
     """Adds the copy ops that fill ``box`` of a destination tiled by ``pieces``.
 
@@ -64,8 +66,14 @@ def add_box_ops(
             first element from ``dst.data_ptr()``, ``dst_strides`` its strides.
         virtual: FallbackSources for keys built by transformers' own ops;
             their tensors are appended to ``keep`` until the batch has run.
+        quant: logical keys the checkpoint stores quantized: their regions
+            become dequantizing ops reading only what the region needs.
     """
     for reg in regions_for_box(pieces, box):
+        if quant is not None and reg.key in quant:
+            dst_offset = first + sum(b * st for b, st in zip(reg.box_start, dst_strides, strict=True))
+            _add_dequant(batch, source, quant[reg.key], reg, dst, dst_dtype, dst_strides, dst_offset, dst_nbytes)
+            continue
         if virtual is not None and reg.key in virtual:
             t = virtual.tensor(reg.key)
             if keep is not None:
@@ -92,6 +100,34 @@ def add_box_ops(
         )
 
 
+def _add_dequant(
+    batch: OpBatch,
+    source: Source,
+    q: QuantTensor,
+    reg: SourceRegion,
+    dst: torch.Tensor,
+    dst_dtype: str,
+    dst_strides: list[int],
+    dst_offset: int,
+    dst_nbytes: int | None,
+) -> None:
+    w, s = source.info(q.weight), source.info(q.scale)
+    geo = dequant_region(q, reg, dst_strides)
+    batch.add_dequant(
+        kind=q.kind,
+        weight=(w.file_index, w.begin, w.nbytes, w.dtype),
+        scale=(s.file_index, s.begin, s.nbytes, s.dtype),
+        dst=dst,
+        dst_dtype=dst_dtype,
+        dims=q.dims,
+        block=q.block,
+        box=geo.box,
+        dst_offset=dst_offset,
+        dst_strides=geo.strides,
+        dst_nbytes=dst_nbytes,
+    )
+
+
 class Packer:
     """Fills staging slots (and the reader's own shards) from a checkpoint.
 
@@ -109,8 +145,10 @@ class Packer:
         locals_: Sequence[torch.Tensor] | None = None,
         virtual: Any = None,
         skip: frozenset[int] = frozenset(),
+        quant: Mapping[str, QuantTensor] | None = None,
     ) -> None:
         self.ckpt = ckpt
+        self.quant = quant
         self.skip = skip
         self.plan = plan
         self.locals = list(locals_ or [])
@@ -140,6 +178,7 @@ class Packer:
             dst_nbytes,
             self.virtual,
             self._keep,
+            self.quant,
         )
 
     def check_source(self) -> None:

@@ -29,6 +29,7 @@ class Shards:
     slots: int
     progress: bool | None
     skip: frozenset[int] = field(default_factory=frozenset)  # targets that need no copy (mapped)
+    quant: dict[str, Any] = field(default_factory=dict)  # logical key -> QuantTensor (dequantized on pack)
 
 
 class DeviceStager:
@@ -94,7 +95,7 @@ def scatter(
         plan.set_direct(src_group_rank)
     elif device.type == "cuda":
         slots = max(slots, 3)  # pack k+2, copy k+1 to the device, scatter k
-    packer = Packer(source, plan, shards.locals_, shards.fallbacks, shards.skip) if source is not None else None
+    packer = Packer(source, plan, shards.locals_, shards.fallbacks, shards.skip, shards.quant) if source is not None else None
     peak = _stream(plan, group_rank, src_rank, group, device, packer, shards.locals_, slots, shards.progress)
     return peak, packer.bytes_read if packer is not None else 0
 
@@ -111,7 +112,7 @@ def read_owned(
     assert source is not None
     status = StatusCheck(group, device)
     locals_ = shards.locals_
-    packer = Packer(source, plan, locals_, shards.fallbacks, shards.skip)
+    packer = Packer(source, plan, locals_, shards.fallbacks, shards.skip, shards.quant)
     staging: StagingRing | None = None
     if device.type == "cpu":
         plan.set_direct(group_rank)

@@ -11,6 +11,9 @@ default_threads = _ext.default_threads
 OP_FIELDS: int = _ext.OP_FIELDS
 MAX_DIMS: int = _ext.MAX_DIMS
 DTYPE_CODES: dict[str, int] = dict(_ext.DTYPE_CODES)
+dequantize = _ext.dequantize
+DEQUANT_FIELDS: int = _ext.DEQUANT_FIELDS
+DEQUANT_KINDS: dict[str, int] = dict(_ext.DEQUANT_KINDS)
 
 
 def cuda_module():
@@ -23,6 +26,8 @@ def cuda_module():
 
 
 __all__ = [
+    "DEQUANT_FIELDS",
+    "DEQUANT_KINDS",
     "DTYPE_CODES",
     "MAX_DIMS",
     "OP_FIELDS",
@@ -30,5 +35,6 @@ __all__ = [
     "SafetensorsFile",
     "cuda_module",
     "default_threads",
+    "dequantize",
     "parse_header",
 ]

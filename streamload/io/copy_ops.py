@@ -25,9 +25,17 @@ TORCH_DTYPES: dict[str, torch.dtype] = {
     "F64": torch.float64,
     "F8_E4M3": torch.float8_e4m3fn,
     "F8_E5M2": torch.float8_e5m2,
+    "F8_E8M0": torch.float8_e8m0fnu,
+    "F8_E4M3FNUZ": torch.float8_e4m3fnuz,
+    "F8_E5M2FNUZ": torch.float8_e5m2fnuz,
+    "C64": torch.complex64,
 }
+# Sub-byte dtypes (F4, F6_E2M3, F6_E3M2) parse and copy as bytes natively but
+# have no torch element type of the same unit, so they are not listed here.
 ST_DTYPES: dict[torch.dtype, str] = {v: k for k, v in TORCH_DTYPES.items()}
 FLOAT_FAMILY = frozenset({"F16", "BF16", "F32", "F64"})
+# fp8 formats the engine widens exactly as torch's casts do.
+FP8_WIDENING = frozenset({"F8_E4M3", "F8_E5M2"})
 ITEMSIZE: dict[str, int] = {k: torch.empty((), dtype=v).element_size() for k, v in TORCH_DTYPES.items()}
 
 
@@ -45,8 +53,9 @@ def bit_view(t: torch.Tensor) -> torch.Tensor:
 
 
 def can_convert(src: str, dst: str) -> bool:
-    """True when the native engine casts ``src`` to ``dst`` (same type, or both floating)."""
-    return src == dst or (src in FLOAT_FAMILY and dst in FLOAT_FAMILY)
+    """True when the native engine casts ``src`` to ``dst`` exactly as torch does:
+    the same type (bytes), between floating types, or widening fp8 to them."""
+    return src == dst or (dst in FLOAT_FAMILY and (src in FLOAT_FAMILY or src in FP8_WIDENING))
 
 
 def contiguous_strides(shape: Sequence[int]) -> list[int]:
@@ -69,9 +78,10 @@ class OpBatch:
 
     def __init__(self) -> None:
         self._rows: list[list[int]] = []
+        self._dequant: list[list[int]] = []
 
     def __len__(self) -> int:
-        return len(self._rows)
+        return len(self._rows) + len(self._dequant)
 
     def add(
         self,
@@ -115,11 +125,57 @@ class OpBatch:
             ]
         )
 
+    def add_dequant(
+        self,
+        *,
+        kind: str,
+        weight: tuple[int, int, int, str],
+        scale: tuple[int, int, int, str],
+        dst: torch.Tensor,
+        dst_dtype: str,
+        dims: Sequence[int],
+        block: Sequence[int],
+        box: Sequence[tuple[int, int]],
+        dst_offset: int,
+        dst_strides: Sequence[int],
+        dst_nbytes: int | None = None,
+    ) -> None:
+        """Adds one dequantizing op (see ``csrc/dequant.h``): ``box`` of the
+        logical [batch, rows, cols] values of a quantized tensor, scaled, into ``dst``.
+
+        Args:
+            kind: ``"fp8_block"`` or ``"mxfp4"``.
+            weight, scale: (file index or -1, offset in the data section or
+                address, byte length, dtype name) of the two source tensors.
+            dims: logical (batch, rows, cols); block: values per scale (rows, cols).
+            box: (start, size) per logical dim; dst_offset/dst_strides: where
+                box[0, 0, 0] lands and the element strides of the three dims.
+        """
+        self._dequant.append(
+            [
+                _native.DEQUANT_KINDS[kind],
+                weight[0], weight[1], weight[2], _native.DTYPE_CODES[weight[3]],
+                scale[0], scale[1], scale[2], _native.DTYPE_CODES[scale[3]],
+                dst.data_ptr(),
+                dst.numel() * dst.element_size() if dst_nbytes is None else dst_nbytes,
+                _native.DTYPE_CODES[dst_dtype],
+                *[int(d) for d in dims],
+                *[int(b) for b in block],
+                *[int(v) for start_size in box for v in start_size],
+                dst_offset,
+                *[int(s) for s in dst_strides],
+            ]
+        )  # fmt: skip
+
     def execute(self, engine, files: Sequence) -> int:
         """Runs every op (GIL released); returns the source bytes read."""
-        if not self._rows:
-            return 0
-        arr = np.ascontiguousarray(np.array(self._rows, dtype=np.int64))
-        nbytes = engine.execute(list(files), arr.ctypes.data, arr.nbytes)
-        self._rows.clear()
+        nbytes = 0
+        if self._rows:
+            arr = np.ascontiguousarray(np.array(self._rows, dtype=np.int64))
+            nbytes += engine.execute(list(files), arr.ctypes.data, arr.nbytes)
+            self._rows.clear()
+        if self._dequant:
+            arr = np.ascontiguousarray(np.array(self._dequant, dtype=np.int64))
+            nbytes += _native.dequantize(engine, list(files), arr.ctypes.data, arr.nbytes)
+            self._dequant.clear()
         return int(nbytes)

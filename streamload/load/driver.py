@@ -35,6 +35,7 @@ def load_checkpoint(
     read_mode: str = "auto",
     readers: str | ReaderMode = "auto",
     map_files: bool = True,
+    quantized: str = "dequantize",
 ) -> LoadReport:
     """Streams a safetensors checkpoint into an FSDP2 (or plain) model.
 
@@ -64,6 +65,12 @@ def load_checkpoint(
             tensor in the parameter's dtype becomes a copy-on-write view of the file (as safetensors gives
             CPU tensors) rather than a copy; the file is never written. False: private copies (choose it
             if the files may be rewritten in place while the model lives).
+        quantized: for a quantized checkpoint (``quantization_config`` fp8 with ``weight_block_size``,
+            or mxfp4; FP8 weights with ``weight_scale_inv`` siblings are detected without one):
+            "dequantize" (default) writes ``values x scales`` into each rank's floating-point shard on
+            the fly, reading only the blocks and scale rows the shard needs, bit-exact with transformers'
+            dequantization; "keep" loads the quantized values and their scales as they are into a model
+            that holds them (e.g. fp8 weights and ``weight_scale_inv`` parameters, for fp8 training).
 
     Returns:
         A LoadReport.

@@ -36,6 +36,7 @@ from ..model.state import (
 from ..plan.buckets import Placement, Plan, build_plan, validate_dtypes, validate_shapes
 from ..plan.convert import Conversion, FallbackSources, Table, plan_conversions
 from ..plan.keys import KeyMatch, match_keys
+from ..plan.quant import QuantTensor, check_kept, quantized_view, scheme_from_config
 from .source import OpenedSource, SourceMeta, check_same_table, open_source, resolve_device, resolve_group
 
 log = logging.getLogger("streamload")
@@ -71,6 +72,7 @@ class LoadOptions:
     read_mode: str = "auto"
     readers: str | ReaderMode = ReaderMode.AUTO
     map_files: bool = True
+    quantized: str = "dequantize"
 
 
 class PhaseClock:
@@ -124,6 +126,7 @@ class _Local:
     tensors: list[torch.Tensor] = field(default_factory=list)
     mine: list[Placement] = field(default_factory=list)
     source: Source | None = None
+    quant: dict[str, QuantTensor] = field(default_factory=dict)
 
 
 def prepare(
@@ -195,7 +198,7 @@ def prepare(
             )
     clock.mark("plan")
     fallbacks = FallbackSources(local.conversion, ckpt, model) if ckpt is not None else None
-    shards = Shards(locals_, fallbacks, options.slots, options.progress, mapped.targets)
+    shards = Shards(locals_, fallbacks, options.slots, options.progress, mapped.targets, local.quant)
     return Prepared(
         model, options, clock, state, group, device, rank, group_rank, src_group_rank, choice, meta, ckpt,
         local.match, local.table, placements, plan, bucket_bytes, shards, mapped, local.unrestored,
@@ -217,8 +220,16 @@ def _check_and_materialize(
 ) -> None:
     """This rank's share of the pre-stream checks, filling ``local`` as it goes."""
     shapes = {name: tuple(t.shape) for name, t in state.targets().items()}
-    local.conversion = plan_conversions(model, meta.table, shapes)
-    local.table = {**meta.table, **local.conversion.virtual_table}
+    if options.quantized not in ("dequantize", "keep"):
+        raise ValueError(f"quantized must be 'dequantize' or 'keep', not {options.quantized!r}")
+    # Quantized tensors become logical (dequantized) sources; their scales are consumed.
+    view, quant = quantized_view(meta.table, scheme_from_config(getattr(model, "config", None)))
+    if options.quantized == "keep":
+        view, local.quant = meta.table, {}
+    else:
+        local.quant = quant
+    local.conversion = plan_conversions(model, view, shapes)
+    local.table = {**view, **local.conversion.virtual_table}
     match = local.match = match_keys(state, shapes, local.table, *ignore_patterns(model), local.conversion)
     if options.strict and (match.missing or match.unexpected):
         raise KeyMismatchError(
@@ -239,6 +250,8 @@ def _check_and_materialize(
     clock.mark("materialize")
     local.tensors = [get_tensor(model, t.name) for t in match.targets]
     local.mine = [local_placement(t) for t in local.tensors]
+    if options.quantized == "keep":
+        check_kept(match.targets, [p.dtype for p in local.mine], quant, meta.table)
     mode = choice.mode
     reads = mode is ReaderMode.OWNERS or (mode is ReaderMode.NODE and group_rank in choice.node_readers)
     if reads and local.source is None:
