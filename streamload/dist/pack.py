@@ -72,7 +72,9 @@ def add_box_ops(
     for reg in regions_for_box(pieces, box):
         if quant is not None and reg.key in quant:
             dst_offset = first + sum(b * st for b, st in zip(reg.box_start, dst_strides, strict=True))
-            _add_dequant(batch, source, quant[reg.key], reg, dst, dst_dtype, dst_strides, dst_offset, dst_nbytes)
+            _add_dequant(
+                batch, source, quant[reg.key], reg, dst, dst_dtype, dst_strides, dst_offset, dst_nbytes
+            )
             continue
         if virtual is not None and reg.key in virtual:
             t = virtual.tensor(reg.key)

@@ -95,7 +95,11 @@ def scatter(
         plan.set_direct(src_group_rank)
     elif device.type == "cuda":
         slots = max(slots, 3)  # pack k+2, copy k+1 to the device, scatter k
-    packer = Packer(source, plan, shards.locals_, shards.fallbacks, shards.skip, shards.quant) if source is not None else None
+    packer = (
+        Packer(source, plan, shards.locals_, shards.fallbacks, shards.skip, shards.quant)
+        if source is not None
+        else None
+    )
     peak = _stream(plan, group_rank, src_rank, group, device, packer, shards.locals_, slots, shards.progress)
     return peak, packer.bytes_read if packer is not None else 0
 

@@ -111,7 +111,9 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def _fp8_block(shape: Sequence[int], grid: Sequence[int], block: tuple[int, int] | None, key: str) -> tuple[int, int]:
+def _fp8_block(
+    shape: Sequence[int], grid: Sequence[int], block: tuple[int, int] | None, key: str
+) -> tuple[int, int]:
     """The configured block, checked against the scale grid; inferred (128, or
     rows / grid rows) when the config gives none."""
     rows, cols = shape[-2], shape[-1]
@@ -158,7 +160,9 @@ def quantized_view(table: Table, scheme: QuantScheme | None) -> tuple[Table, dic
                 continue
             grid = table[skey][1]
             if len(grid) != len(shape) or tuple(grid[:-2]) != tuple(shape[:-2]):
-                raise QuantizationError(f"scale shape {list(grid)} does not fit weight {list(shape)}", file, key)
+                raise QuantizationError(
+                    f"scale shape {list(grid)} does not fit weight {list(shape)}", file, key
+                )
             br, bc = _fp8_block(shape, grid, block, key)
             axes: tuple[int | None, int | None, int | None] = (None, 0, 1) if len(shape) == 2 else (0, 1, 2)
             dims = (1, shape[0], shape[1]) if len(shape) == 2 else (shape[0], shape[1], shape[2])
@@ -178,7 +182,9 @@ def quantized_view(table: Table, scheme: QuantScheme | None) -> tuple[Table, dic
                 )
             n_exp, rows, groups = shape[0], shape[1], shape[2]
             logical = (n_exp, groups * 32, rows)
-            quant[base] = QuantTensor(base, "mxfp4", key, skey, logical, (0, 2, 1), (n_exp, rows, groups * 32), (1, 32))
+            quant[base] = QuantTensor(
+                base, "mxfp4", key, skey, logical, (0, 2, 1), (n_exp, rows, groups * 32), (1, 32)
+            )
             out[base] = (LOGICAL_DTYPE, logical, file)
             out.pop(key, None)
             out.pop(skey, None)
@@ -264,7 +270,8 @@ def check_kept(
 def describe(quant: Mapping[str, QuantTensor]) -> dict[str, str]:
     """Human-readable groups for ``streamload inspect``: logical key -> scheme and block."""
     return {
-        k: f"{q.kind} block {q.block[0]}x{q.block[1]} from {q.weight} + {q.scale}" for k, q in sorted(quant.items())
+        k: f"{q.kind} block {q.block[0]}x{q.block[1]} from {q.weight} + {q.scale}"
+        for k, q in sorted(quant.items())
     }
 
 

@@ -126,7 +126,12 @@ def make_fp8_checkpoint(
     _rewrite(ckpt, convert)
     _set_quant_config(
         ckpt,
-        {"quant_method": "fp8", "weight_block_size": list(block), "fmt": "e4m3", "activation_scheme": "dynamic"},
+        {
+            "quant_method": "fp8",
+            "weight_block_size": list(block),
+            "fmt": "e4m3",
+            "activation_scheme": "dynamic",
+        },
     )
     return ckpt
 
