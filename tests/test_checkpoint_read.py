@@ -17,6 +17,8 @@ from streamload.io.copy_ops import TORCH_DTYPES, bit_view
 def _random(dtype: torch.dtype, shape: tuple[int, ...], gen: torch.Generator) -> torch.Tensor:
     if dtype == torch.bool:
         return torch.randint(0, 2, shape, generator=gen).bool()
+    if dtype.is_complex:
+        return torch.randn(shape, generator=gen, dtype=dtype)
     if dtype.is_floating_point:
         return torch.randn(shape, generator=gen, dtype=torch.float32).to(dtype)
     info = torch.iinfo(dtype)

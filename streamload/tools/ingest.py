@@ -32,6 +32,7 @@ from ..model.state import ignore_patterns, record_state
 from ..plan.buckets import ALIGN, Target, validate_shapes
 from ..plan.convert import FallbackSources, plan_conversions
 from ..plan.keys import match_keys
+from ..plan.quant import QuantTensor, quantized_view, scheme_from_config
 
 
 @dataclass
@@ -132,7 +133,11 @@ def ingest(
     ckpt = Checkpoint(src_p, threads=threads)
     model = meta_model(src_p)
     state = record_state(model)
-    table = {t.name: (t.dtype, t.shape, t.file) for t in ckpt.tensors}
+    # A quantized checkpoint is written dequantized (values x scales, in
+    # ``dtype``, default float32); its scales are consumed.
+    table, quant = quantized_view(
+        {t.name: (t.dtype, t.shape, t.file) for t in ckpt.tensors}, scheme_from_config(model.config)
+    )
     shapes = {n: tuple(t.shape) for n, t in state.targets().items()}
     conversion = plan_conversions(model, table, shapes)
     full_table = {**table, **conversion.virtual_table}
@@ -153,7 +158,7 @@ def ingest(
         written = 0
         for i, entries in enumerate(layout):
             name = f"model-{i + 1:05d}-of-{len(layout):05d}.safetensors"
-            written += _write_file(tmp / name, entries, ckpt, fallbacks)
+            written += _write_file(tmp / name, entries, ckpt, fallbacks, quant)
             weight_map.update({t.name: name for t, *_ in entries})
         total = sum(end - begin for entries in layout for _, _, begin, end in entries)
         (tmp / INDEX_NAME).write_text(
@@ -164,6 +169,8 @@ def ingest(
                 shutil.copy2(f, tmp / f.name)
         if dtype is not None:
             _set_config_dtype(tmp / "config.json", dtype)
+        if quant:
+            _drop_quantization_config(tmp / "config.json")
         _fsync_dir(tmp)
         os.rename(tmp, dst_p)
         _fsync_dir(dst_p.parent)
@@ -174,7 +181,11 @@ def ingest(
 
 
 def _write_file(
-    path: Path, entries: list[tuple[Target, str, int, int]], ckpt: Checkpoint, fallbacks: FallbackSources
+    path: Path,
+    entries: list[tuple[Target, str, int, int]],
+    ckpt: Checkpoint,
+    fallbacks: FallbackSources,
+    quant: dict[str, QuantTensor],
 ) -> int:
     head = _header(entries)
     data_len = entries[-1][3] if entries else 0
@@ -185,7 +196,7 @@ def _write_file(
             with mmap.mmap(f.fileno(), len(head) + data_len, access=mmap.ACCESS_WRITE) as mm:
                 out = torch.frombuffer(mm, dtype=torch.uint8)
                 try:
-                    _fill(out, len(head), entries, ckpt, fallbacks)
+                    _fill(out, len(head), entries, ckpt, fallbacks, quant)
                     mm.flush()
                 finally:
                     del out
@@ -200,6 +211,7 @@ def _fill(
     entries: list[tuple[Target, str, int, int]],
     ckpt: Checkpoint,
     fallbacks: FallbackSources,
+    quant: dict[str, QuantTensor],
 ) -> None:
     """One target at a time: its source regions straight into the mapped file."""
     for t, dtype, begin, _end in entries:
@@ -210,7 +222,7 @@ def _fill(
         first, misaligned = divmod(data_start + begin, ITEMSIZE[dtype])
         if misaligned:
             raise CheckpointError("misaligned output tensor", tensor=t.name)
-        add_box_ops(batch, ckpt, t.pieces, box, out, dtype, dst_strides, first, None, fallbacks, keep)
+        add_box_ops(batch, ckpt, t.pieces, box, out, dtype, dst_strides, first, None, fallbacks, keep, quant)
         batch.execute(ckpt.engine, ckpt.files)
         keep.clear()
 
@@ -224,6 +236,13 @@ def _set_config_dtype(path: Path, dtype: torch.dtype) -> None:
         if key in cfg:
             cfg[key] = name
     path.write_text(json.dumps(cfg, indent=2) + "\n")
+
+
+def _drop_quantization_config(path: Path) -> None:
+    if path.exists():
+        cfg = json.loads(path.read_text())
+        cfg.pop("quantization_config", None)
+        path.write_text(json.dumps(cfg, indent=2) + "\n")
 
 
 def _fsync_dir(path: Path) -> None:
