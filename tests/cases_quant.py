@@ -27,7 +27,7 @@ def case_quantized(
     bad = compare_model(model, reference(ckpt, dtype))
     assert not bad, f"differ from transformers: {bad}"
     rep = model.streamload_report.to_dict()
-    assert not rep.get("unexpected") and not rep.get("missing"), rep
+    assert not rep["unexpected_keys"] and not rep["missing_keys"], rep
     return {"reader": rep.get("reader"), "converted": rep.get("converted")}
 
 

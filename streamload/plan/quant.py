@@ -267,12 +267,24 @@ def check_kept(
                 )
 
 
-def describe(quant: Mapping[str, QuantTensor]) -> dict[str, str]:
-    """Human-readable groups for ``streamload inspect``: logical key -> scheme and block."""
-    return {
-        k: f"{q.kind} block {q.block[0]}x{q.block[1]} from {q.weight} + {q.scale}"
-        for k, q in sorted(quant.items())
-    }
+def quant_groups(quant: Mapping[str, QuantTensor]) -> list[tuple[str, str, tuple[int, int], int]]:
+    """Quantized tensors grouped by name pattern (layer and expert numbers as
+    ``*``), for ``streamload inspect``.
+
+    Returns:
+        (pattern, kind, block, tensors) per group, sorted by pattern.
+
+    Example:
+        >>> quant_groups(quant)[0]
+        ('model.layers.*.mlp.experts.*.down_proj.weight', 'fp8_block', (128, 128), 58)
+    """
+    import re
+
+    groups: dict[tuple[str, str, tuple[int, int]], int] = {}
+    for q in quant.values():
+        key = (re.sub(r"\.\d+\.", ".*.", q.key), q.kind, q.block)
+        groups[key] = groups.get(key, 0) + 1
+    return [(p, k, b, n) for (p, k, b), n in sorted(groups.items())]
 
 
 __all__ = [
@@ -283,7 +295,7 @@ __all__ = [
     "QuantizationError",
     "dequant_region",
     "check_kept",
-    "describe",
+    "quant_groups",
     "fp8_scale_key",
     "quantized_view",
     "scheme_from_config",

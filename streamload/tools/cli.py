@@ -13,10 +13,28 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
 
     ckpt = Checkpoint(args.checkpoint, mode=args.mode)
     print(format_summary(summarize(ckpt), args.checkpoint))
+    print(_quantized_groups(ckpt, args.checkpoint))
     if args.tensors:
         for t in ckpt.tensors:
             print(f"{t.name}\t{t.dtype}\t{list(t.shape)}\t{t.file}\t{t.offset}\t{t.nbytes}")
     return 0
+
+
+def _quantized_groups(ckpt, path: str) -> str:
+    import json
+    from pathlib import Path
+
+    from ..plan.quant import quant_groups, quantized_view, scheme_from_config
+
+    cfg_path = Path(path) / "config.json"
+    cfg = json.loads(cfg_path.read_text()) if cfg_path.is_file() else None
+    scheme = scheme_from_config(cfg)
+    _, quant = quantized_view({t.name: (t.dtype, t.shape, t.file) for t in ckpt.tensors}, scheme)
+    groups = quant_groups(quant)
+    if not groups:
+        return "quantized groups: none"
+    head = f"quantized groups ({scheme.method if scheme else 'detected fp8'}; loads dequantized by default):"
+    return "\n".join([head] + [f"  {p}  {kind} block={b[0]}x{b[1]} tensors={n}" for p, kind, b, n in groups])
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:

@@ -1,0 +1,119 @@
+"""`streamload inspect` shows quantized groups; `streamload ingest --dtype
+bfloat16` writes a dequantized checkpoint equal, bit for bit, to what
+transformers' dequantizing from_pretrained holds."""
+
+from __future__ import annotations
+
+import json
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from streamload.io.copy_ops import bit_view
+from streamload.tools.cli import main
+from streamload.tools.quantized import make_fp8_checkpoint, make_mxfp4_checkpoint
+
+ATTN = dict(num_attention_heads=4, num_key_value_heads=2)
+
+
+@pytest.fixture(scope="module")
+def fp8_moe(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_fp8_checkpoint(
+        tmp_path_factory.mktemp("q") / "ds", "deepseek_v3", hidden_size=256, intermediate_size=256,
+        moe_intermediate_size=128, n_routed_experts=3, num_experts_per_tok=2, n_shared_experts=1,
+        first_k_dense_replace=1, num_attention_heads=4, q_lora_rank=128, kv_lora_rank=96, qk_rope_head_dim=32,
+        qk_nope_head_dim=64, v_head_dim=128, n_group=1, topk_group=1, seed=8, max_shard_size="300KB",
+    )  # fmt: skip
+
+
+def _load(path: Path) -> dict[str, torch.Tensor]:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.bfloat16).state_dict()
+
+
+def test_inspect_shows_quantized_groups(fp8_moe: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["inspect", str(fp8_moe)]) == 0
+    out = capsys.readouterr().out
+    assert "quantized groups (fp8" in out
+    assert "model.layers.*.mlp.experts.*.gate_proj.weight  fp8_block block=128x128 tensors=3" in out
+
+
+def test_inspect_mxfp4(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    ckpt = make_mxfp4_checkpoint(
+        tmp_path / "mx", hidden_size=64, intermediate_size=64, num_local_experts=2, num_experts_per_tok=1,
+        head_dim=16, layer_types=["full_attention", "full_attention"], **ATTN,
+    )  # fmt: skip
+    assert main(["inspect", str(ckpt)]) == 0
+    assert "model.layers.*.mlp.experts.gate_up_proj  mxfp4 block=1x32 tensors=2" in capsys.readouterr().out
+
+
+def test_ingest_writes_the_dequantized_fused_checkpoint(fp8_moe: Path, tmp_path: Path) -> None:
+    dst = tmp_path / "bf16"
+    assert main(["ingest", str(fp8_moe), str(dst), "--dtype", "bfloat16"]) == 0
+    cfg = json.loads((dst / "config.json").read_text())
+    assert "quantization_config" not in cfg
+    index = json.loads((dst / "model.safetensors.index.json").read_text())
+    assert not any("scale_inv" in k for k in index["weight_map"])
+    assert any(k.endswith("experts.gate_up_proj") for k in index["weight_map"])  # fused
+    ours, ref = _load(dst), _load(fp8_moe)
+    assert ours.keys() == ref.keys()
+    # --dtype casts every floating tensor, so modules transformers keeps in
+    # float32 (DeepSeek's router) hold bf16-rounded values after an ingest.
+    bad = [
+        k
+        for k in ref
+        if not torch.equal(bit_view(ours[k]), bit_view(ref[k].to(torch.bfloat16).to(ref[k].dtype)))
+    ]
+    assert not bad
+
+
+def _fp8_llama(tmp_path: Path) -> Path:
+    return make_fp8_checkpoint(
+        tmp_path / "l", "llama", hidden_size=256, intermediate_size=256, seed=9, **ATTN
+    )
+
+
+def test_keep_quantized_loads_values_and_scales_as_they_are(tmp_path: Path) -> None:
+    from accelerate import init_empty_weights
+    from safetensors.torch import load_file
+    from transformers import AutoConfig
+
+    import streamload
+    from streamload.errors import DTypeMismatchError
+
+    ckpt = _fp8_llama(tmp_path)
+    state = load_file(str(ckpt / "model.safetensors"))
+    cfg = AutoConfig.from_pretrained(str(ckpt))
+
+    def skeleton(fp8: bool) -> torch.nn.Module:
+        with init_empty_weights(include_buffers=False):
+            model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
+        for name, t in state.items():
+            if fp8 and name.endswith("weight_scale_inv"):
+                mod = model.get_submodule(name.rsplit(".", 1)[0])
+                fp8_weight = torch.empty(mod.weight.shape, dtype=torch.float8_e4m3fn, device="meta")
+                mod.weight = torch.nn.Parameter(fp8_weight, requires_grad=False)
+                mod.register_parameter(
+                    "weight_scale_inv", torch.nn.Parameter(torch.empty(t.shape, device="meta"))
+                )
+        return model
+
+    model = skeleton(fp8=True)
+    rep = streamload.load_checkpoint(model, str(ckpt), quantized="keep", progress=False)
+    assert not rep.unexpected_keys and not rep.missing_keys
+    sd = model.state_dict()
+    for name, t in state.items():
+        assert sd[name].dtype == t.dtype and torch.equal(bit_view(sd[name]), bit_view(t)), name
+    with pytest.raises(DTypeMismatchError, match="quantized='keep' needs a F8_E4M3 parameter"):
+        streamload.load_checkpoint(
+            skeleton(fp8=False), str(ckpt), quantized="keep", progress=False, strict=False
+        )
+    # The default dequantizes into the bf16 skeleton, as transformers does.
+    model = skeleton(fp8=False)
+    streamload.load_checkpoint(model, str(ckpt), progress=False)
+    ref = _load(ckpt)
+    assert all(torch.equal(bit_view(v), bit_view(ref[k])) for k, v in model.state_dict().items())
