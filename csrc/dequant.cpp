@@ -134,9 +134,9 @@ void validate(const DequantOp& op, size_t idx, const std::vector<const MappedFil
               "] is outside the tensor [" + std::to_string(op.batch) + ", " + std::to_string(op.rows) + ", " +
               std::to_string(op.cols) + "]");
   Geometry g = geometry(op);
-  int64_t w_need, s_need;
-  if (overflow_mul(op.batch * op.rows, g.w_row_bytes, &w_need) ||
-      overflow_mul(op.batch * g.sr * g.sc, g.s_isz, &s_need))
+  int64_t w_need, s_need, br, bg;
+  if (overflow_mul(op.batch, op.rows, &br) || overflow_mul(br, g.w_row_bytes, &w_need) ||
+      overflow_mul(op.batch, g.sr, &bg) || overflow_mul(bg, g.sc, &bg) || overflow_mul(bg, g.s_isz, &s_need))
     throw bad("shape overflows");
   check_source(op, true, idx, files, w_need);
   check_source(op, false, idx, files, s_need);
