@@ -7,7 +7,7 @@ import signal
 import time
 
 import torch
-from cases_load import compare_model, full, mesh_for, reference
+from cases_load import MISSING_PATH, compare_model, full, mesh_for, reference
 from safetensors.torch import load_file
 
 import streamload
@@ -15,20 +15,41 @@ from streamload.io.copy_ops import bit_view as bits
 
 
 def case_quantized(
-    rank: int, world: int, *, ckpt: str, ws: int, dtype: torch.dtype, readers: str, bucket_bytes: int = 20000
+    rank: int,
+    world: int,
+    *,
+    ckpt: str,
+    ws: int,
+    dtype: torch.dtype,
+    readers: str,
+    bucket_bytes: int = 20000,
+    nodes: int = 0,
 ) -> dict | None:
-    """streamload's dequantizing from_pretrained against transformers' on the same files."""
+    """streamload's dequantizing from_pretrained against transformers' on the same files.
+    With ``nodes``, ``nodes`` simulated nodes whose first rank alone sees the files."""
     mesh = mesh_for(ws)
     if mesh is None:
         return None
-    model = streamload.from_pretrained(
-        ckpt, device_mesh=mesh, dtype=dtype, bucket_bytes=bucket_bytes, progress=False, readers=readers
-    )
+    path = ckpt
+    if nodes:
+        os.environ["STREAMLOAD_NODE"] = str(rank * nodes // ws)
+        if rank * nodes // ws == (rank - 1) * nodes // ws and rank != 0:
+            path = MISSING_PATH
+    try:
+        model = streamload.from_pretrained(
+            path, device_mesh=mesh, dtype=dtype, bucket_bytes=bucket_bytes, progress=False, readers=readers
+        )
+    finally:
+        os.environ.pop("STREAMLOAD_NODE", None)
     bad = compare_model(model, reference(ckpt, dtype))
     assert not bad, f"differ from transformers: {bad}"
     rep = model.streamload_report.to_dict()
     assert not rep["unexpected_keys"] and not rep["missing_keys"], rep
-    return {"reader": rep.get("reader"), "converted": rep.get("converted")}
+    return {
+        "reader": rep.get("reader"),
+        "converted": rep.get("converted"),
+        "bytes_sent": rep.get("bytes_sent"),
+    }
 
 
 def case_fp8_params(rank: int, world: int, *, ckpt: str, ws: int, readers: str) -> dict | None:

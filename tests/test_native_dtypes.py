@@ -21,7 +21,7 @@ try:
     from streamload.io import _native as native
 except ImportError:
     from streamload import _native as native
-from streamload.errors import CopyOpError, HeaderError
+from streamload.errors import CopyOpError, DTypeMismatchError, HeaderError
 
 ext = native._ext
 CODES: dict[str, int] = dict(ext.DTYPE_CODES)
@@ -327,3 +327,22 @@ def test_engine_destroyed_in_a_child_that_never_used_it() -> None:
             os.waitpid(pid, 0)
             pytest.fail("destroying a pre-fork engine in the child hung")
         time.sleep(0.05)
+
+
+def test_checkpoint_reads_sub_byte_tensors_as_bytes_and_names_the_cast(tmp_path: Path) -> None:
+    from streamload.io.checkpoint import Checkpoint
+
+    path = tmp_path / "f4.safetensors"
+    data = _file_bytes([("w", "F4", [6, 8], 24), ("e", "F8_E8M0", [4], 4), ("c", "C64", [2], 16)])
+    path.write_bytes(data)
+    ckpt = Checkpoint(path)
+    assert ckpt.info("w").dtype == "F4"
+    assert ckpt.read_bytes("w").numpy().tobytes() == data[-44:-20]
+    assert torch.equal(
+        ckpt.read("e").view(torch.uint8), torch.frombuffer(bytearray(data[-20:-16]), dtype=torch.uint8)
+    )
+    assert ckpt.read("c").dtype == torch.complex64
+    with pytest.raises(DTypeMismatchError, match="F4 has no torch element type"):
+        ckpt.read("w")
+    with pytest.raises(DTypeMismatchError, match="cannot read F8_E8M0 into torch.float32"):
+        ckpt.read("e", dtype=torch.float32)

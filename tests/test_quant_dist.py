@@ -79,6 +79,15 @@ def test_quantized_matches_transformers(
             assert any("MergeModulelist" in v for v in res[0]["converted"].values())
 
 
+def test_quantized_node_readers(group: RankGroup, ckpts: dict[str, str]) -> None:
+    """Two simulated nodes of two ranks; the first rank of each sees the files."""
+    for name in ("fp8_dense", "fp8_moe", "mxfp4"):
+        res = group.run(
+            cases.case_quantized, ckpt=ckpts[name], ws=4, dtype=torch.bfloat16, readers="node", nodes=2
+        )
+        assert "node" in str(res[0]["reader"]), res[0]["reader"]
+
+
 def test_quantized_into_fp32_masters(group: RankGroup, ckpts: dict[str, str]) -> None:
     for name in ("fp8_dense", "fp8_moe", "mxfp4"):
         group.run(cases.case_quantized, ckpt=ckpts[name], ws=3, dtype=torch.float32, readers="src")

@@ -52,7 +52,16 @@ class TensorInfo:
 
     @property
     def torch_dtype(self) -> torch.dtype:
-        return TORCH_DTYPES[self.dtype]
+        """The torch dtype of the file's elements; DTypeMismatchError for the
+        sub-byte dtypes (F4, F6_*), which torch has no element type for."""
+        try:
+            return TORCH_DTYPES[self.dtype]
+        except KeyError:
+            raise DTypeMismatchError(
+                f"{self.dtype} has no torch element type: Checkpoint.read_bytes gives its bytes",
+                self.file,
+                self.name,
+            ) from None
 
     @property
     def numel(self) -> int:
@@ -216,6 +225,23 @@ class Checkpoint:
         """
         info = self.info(name)
         return self.read_region(name, [(0, s) for s in info.shape], out=out, dtype=dtype)
+
+    def read_bytes(self, name: str) -> torch.Tensor:
+        """Reads a tensor's raw bytes, whatever its dtype (F4 and F6_* included).
+
+        Args:
+            name: tensor key.
+
+        Returns:
+            A uint8 tensor of the tensor's bytes, as stored.
+
+        Example:
+            >>> packed = ckpt.read_bytes("model.layers.0.mlp.experts.down_proj_blocks")
+        """
+        info = self.info(name)
+        out = torch.empty(info.nbytes, dtype=torch.uint8)
+        self.files[info.file_index].read_into(info.begin, info.nbytes, out.data_ptr(), info.nbytes)
+        return out
 
     def read_region(
         self, name: str, box: RegionSpec, out: torch.Tensor | None = None, dtype: torch.dtype | None = None
