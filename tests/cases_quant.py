@@ -125,3 +125,33 @@ def case_fork_child_reads(rank: int, world: int, *, ckpt: str) -> dict | None:
         time.sleep(0.05)
     assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0, status
     return {"ok": True}
+
+
+def case_keep_quantized(rank: int, world: int, *, ckpt: str, ws: int, readers: str) -> dict | None:
+    """from_pretrained(quantized="keep"): fp8 weights and float32 scales as stored."""
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    mesh = mesh_for(ws)
+    if mesh is None:
+        return None
+    model = streamload.from_pretrained(
+        ckpt, device_mesh=mesh, bucket_bytes=20000, progress=False, readers=readers, quantized="keep"
+    )
+    state: dict[str, torch.Tensor] = {}
+    for f in os.listdir(ckpt):
+        if f.endswith(".safetensors"):
+            state.update(load_file(os.path.join(ckpt, f)))
+    n_fp8 = 0
+    for name, p in model.named_parameters():
+        want = state[name]
+        assert p.dtype == want.dtype, (name, p.dtype, want.dtype)
+        if p.dtype != torch.float8_e4m3fn:
+            assert torch.equal(bits(full(p)), bits(want)), name
+            continue
+        n_fp8 += 1
+        shape, offset = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
+        local = p.to_local()[tuple(slice(0, n) for n in shape)]
+        region = want[tuple(slice(o, o + n) for o, n in zip(offset, shape, strict=True))]
+        assert torch.equal(bits(local), bits(region)), name
+    assert n_fp8 > 0
+    return {"fp8": n_fp8}

@@ -88,6 +88,13 @@ def test_quantized_node_readers(group: RankGroup, ckpts: dict[str, str]) -> None
         assert "node" in str(res[0]["reader"]), res[0]["reader"]
 
 
+@pytest.mark.parametrize("ws", [1, 3])
+def test_keep_quantized_from_pretrained(group: RankGroup, ckpts: dict[str, str], ws: int) -> None:
+    for readers in ("src", "owners"):
+        res = group.run(cases.case_keep_quantized, ckpt=ckpts["fp8_dense"], ws=ws, readers=readers)
+        assert res[0]["fp8"] == 7 * 2  # every projection of both layers
+
+
 def test_quantized_into_fp32_masters(group: RankGroup, ckpts: dict[str, str]) -> None:
     for name in ("fp8_dense", "fp8_moe", "mxfp4"):
         group.run(cases.case_quantized, ckpt=ckpts[name], ws=3, dtype=torch.float32, readers="src")

@@ -78,6 +78,37 @@ def _no_init_weights() -> Any:
     return no_init_weights()
 
 
+def keep_quantized_skeleton(model: nn.Module, config: Any) -> None:
+    """Gives a meta model the parameters an FP8 block-scaled checkpoint loads
+    into as it is: transformers' own ``FP8Linear`` (fp8 ``weight`` and float32
+    ``weight_scale_inv``) in place of every ``nn.Linear`` but the skipped ones.
+
+    Args:
+        model: the model on meta, before sharding.
+        config: its config, with ``quantization_config`` (quant_method fp8).
+
+    Example:
+        >>> keep_quantized_skeleton(model, config)  # then fully_shard and load with quantized="keep"
+    """
+    from transformers import FineGrainedFP8Config
+    from transformers.integrations.finegrained_fp8 import replace_with_fp8_linear
+
+    from ..plan.quant import scheme_from_config
+
+    scheme = scheme_from_config(config)
+    if scheme is None or scheme.method != "fp8":
+        raise ValueError("quantized='keep' builds FP8 block-scaled models only (quant_method fp8)")
+    qc = config.quantization_config
+    qc = qc if isinstance(qc, dict) else qc.to_dict()
+    fp8 = FineGrainedFP8Config(
+        weight_block_size=scheme.block or (128, 128),
+        activation_scheme=qc.get("activation_scheme", "dynamic"),
+        modules_to_not_convert=qc.get("modules_to_not_convert"),
+    )
+    skip = list(fp8.modules_to_not_convert or []) or ["lm_head"]
+    replace_with_fp8_linear(model, modules_to_not_convert=skip, quantization_config=fp8, pre_quantized=True)
+
+
 def _read_configs(path: Path) -> dict[str, Any]:
     from transformers import AutoConfig, GenerationConfig
 
@@ -113,6 +144,9 @@ def from_pretrained(
         shard_fn: ``callable(model, mesh)``; default: ``default_shard_fn``.
         dtype: parameter dtype (default: the checkpoint's, as transformers' "auto").
         src_rank, bucket_bytes, strict, progress: see ``load_checkpoint``.
+        load_kwargs: ``load_checkpoint``'s other knobs; ``quantized="keep"`` with an FP8
+            block-scaled checkpoint builds transformers' ``FP8Linear`` modules and loads the fp8
+            weights and their ``weight_scale_inv`` as they are (default: dequantize into ``dtype``).
 
     Returns:
         The sharded model in eval mode, with ``config`` and ``generation_config``,
@@ -161,6 +195,8 @@ def from_pretrained(
             model = cls.from_config(config, dtype=param_dtype)
         else:
             model = cls._from_config(config, dtype=param_dtype)
+    if load_kwargs.get("quantized") == "keep":
+        keep_quantized_skeleton(model, config)
     if "generation_config" in meta.extra and getattr(model, "generation_config", None) is not None:
         model.generation_config = meta.extra["generation_config"]
     # transformers ties lazily: on meta the head may still be its own Parameter.
