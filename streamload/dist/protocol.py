@@ -10,6 +10,8 @@ all ranks raise the failing rank's error (file, tensor and rank included).
 
 from __future__ import annotations
 
+import logging
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -17,6 +19,8 @@ import torch.distributed as dist
 
 from ..errors import RemoteRankError, StreamloadError
 from .transport import all_gather_object
+
+log = logging.getLogger("streamload")
 
 
 def portable(exc: BaseException, rank: int) -> StreamloadError:
@@ -59,6 +63,9 @@ class StatusCheck:
     ``post`` starts the all-reduce without waiting, and its result is read one
     bucket later, so the check never makes the reader wait for the receivers
     to finish unpacking the bucket just sent: the pipeline keeps its overlap.
+    On GPUs the flag travels on a CPU-capable group (see ``StatusRoute``):
+    reading a device flag would wait for every copy and collective queued
+    before it.
     """
 
     def __init__(self, group: dist.ProcessGroup | None, device: torch.device) -> None:
@@ -82,3 +89,70 @@ class StatusCheck:
 
     def any_failed(self, local_failed: bool) -> bool:
         return self.result(self.post(local_failed))
+
+
+def carries_cpu(group: dist.ProcessGroup | None) -> bool:
+    """Whether ``group`` (None: the default group) runs collectives on CPU tensors:
+    gloo, or a mixed group such as ``"cpu:gloo,cuda:nccl"`` (torch's default backend)."""
+    return "gloo" in str(dist.get_backend(group))
+
+
+def needs_side_group(group: dist.ProcessGroup | None, device: torch.device) -> bool:
+    """True when a load on ``device`` over ``group`` needs a gloo twin for its status flags."""
+    return device.type != "cpu" and not carries_cpu(group)
+
+
+@dataclass
+class StatusRoute:
+    """Where a load's per-bucket status flags travel: ``group``, flags on ``device``.
+
+    ``owned``: the group was created for this load and is destroyed by ``close``.
+    """
+
+    group: dist.ProcessGroup | None
+    device: torch.device
+    owned: bool = False
+
+    def check(self) -> StatusCheck:
+        return StatusCheck(self.group, self.device)
+
+    def close(self) -> None:
+        """Destroys the side group this route created (every member calls it, after the last flag)."""
+        if self.owned and self.group is not None:
+            self.owned = False
+            dist.destroy_process_group(self.group)
+
+
+def open_status_route(
+    group: dist.ProcessGroup | None, device: torch.device, create: bool = True
+) -> StatusRoute:
+    """The route for a load's status flags; collective over the whole world when it creates a group.
+
+    - single process, or a group that carries CPU tensors: that group, flags on the CPU;
+    - an accelerator-only group (``"nccl"``) spanning the world: a new gloo group over the
+      same ranks, for this load only (``close`` destroys it);
+    - an accelerator-only group over part of the world: the group itself with device flags
+      (correct, but each check waits for the device); a gloo side group cannot be created
+      there without every rank of the world taking part, and re-creating one per load with
+      ``use_local_synchronization`` reuses its store keys and hangs.
+
+    Args:
+        group: the load's group.
+        device: the load's (wire) device.
+        create: False never creates a group (then the third case applies).
+
+    Example:
+        >>> route = open_status_route(group, device)
+        >>> try:
+        ...     status = route.check()
+        ... finally:
+        ...     route.close()
+    """
+    if group is None or dist.get_world_size(group) == 1 or not needs_side_group(group, device):
+        return StatusRoute(group, torch.device("cpu"))
+    world = dist.get_world_size(group)
+    if create and world == dist.get_world_size():
+        ranks = [dist.get_global_rank(group, r) for r in range(world)]
+        return StatusRoute(dist.new_group(ranks, backend="gloo"), torch.device("cpu"), owned=True)
+    log.info("streamload: status flags on %s (no gloo side group over part of an NCCL world)", device)
+    return StatusRoute(group, device)

@@ -140,6 +140,11 @@ def choose(
         raise ValueError(f"readers must be one of {MODES}, not {requested!r}")
     requested = ReaderMode(requested)
     world = dist.get_world_size(group) if group is not None else 1
+    if world == 1 and requested is ReaderMode.OWNERS:
+        # One process reads its shards itself: on a GPU this skips the scatter's device-to-device copy.
+        if has_source:
+            raise ValueError("readers='owners' needs the checkpoint as a path that every reader can open")
+        return ReaderChoice(ReaderMode.OWNERS, "requested (single process)", [[0]])
     if world == 1 or requested is ReaderMode.SRC:
         return ReaderChoice(ReaderMode.SRC, "requested" if requested is ReaderMode.SRC else "single process")
     mine = (node_key(), fingerprint(path), has_source)

@@ -5,10 +5,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
+import torch
 import torch.distributed as dist
 
 from ..plan.buckets import build_plan
-from .protocol import gather_or_raise
+from . import protocol
+from .protocol import StatusRoute, gather_or_raise, open_status_route
 from .readers import ReaderChoice, ReaderMode
 from .stream import read_owned, scatter
 
@@ -43,11 +45,25 @@ class ReaderStrategy(Protocol):
     def close(self) -> None: ...
 
 
-class SrcScatter:
-    """``src``: the designated reader packs every bucket and scatters it over the whole group."""
+class _Routed:
+    """Opens the load's status route in ``open`` (on NCCL, a gloo side group for this
+    load only, so the per-bucket check never waits for the device) and closes it in ``close``."""
+
+    def __init__(self) -> None:
+        self._route: StatusRoute | None = None
 
     def open(self, prep: Prepared) -> None:
-        """Nothing to set up: the load's own group carries the buckets."""
+        self._route = open_status_route(prep.group, prep.device)
+
+    def close(self) -> None:
+        """Destroys the side group, if this load created one."""
+        route, self._route = self._route, None
+        if route is not None:
+            route.close()
+
+
+class SrcScatter(_Routed):
+    """``src``: the designated reader packs every bucket and scatters it over the whole group."""
 
     def run(self, prep: Prepared) -> StreamResult:
         source = prep.source if prep.rank == prep.options.src_rank else None
@@ -61,24 +77,20 @@ class SrcScatter:
                 prep.device,
                 source,
                 prep.shards,
+                self._route,
             )
         )
 
-    def close(self) -> None:
-        """Nothing to give back."""
 
-
-class OwnersRead:
+class OwnersRead(_Routed):
     """``owners``: every rank reads its own shards from the files; no transport."""
 
-    def open(self, prep: Prepared) -> None:
-        """Nothing to set up: the group only carries the per-bucket status."""
-
     def run(self, prep: Prepared) -> StreamResult:
-        return StreamResult(*read_owned(prep.plan, prep.source, prep.shards, prep.group_rank, prep.group, prep.device))
-
-    def close(self) -> None:
-        """Nothing to give back."""
+        return StreamResult(
+            *read_owned(
+                prep.plan, prep.source, prep.shards, prep.group_rank, prep.group, prep.device, self._route
+            )
+        )
 
 
 class NodeScatter:
@@ -92,6 +104,7 @@ class NodeScatter:
     def __init__(self) -> None:
         self._layout: tuple[tuple[int, ...], ...] | None = None
         self._groups: list[dist.ProcessGroup] = []
+        self._sides: list[dist.ProcessGroup] = []  # gloo twins of the node groups (NCCL only)
 
     def open(self, prep: Prepared) -> None:
         assert prep.group is not None
@@ -100,7 +113,11 @@ class NodeScatter:
             return
         self.close()
         group = prep.group
-        self._groups = [dist.new_group([dist.get_global_rank(group, r) for r in ranks]) for ranks in layout]
+        members = [[dist.get_global_rank(group, r) for r in ranks] for ranks in layout]
+        self._groups = [dist.new_group(m) for m in members]
+        # Node groups take the default backend: without a CPU part, their status flags need twins.
+        if protocol.needs_side_group(None, prep.device):
+            self._sides = [dist.new_group(m, backend="gloo") for m in members]
         self._layout = layout
 
     def run(self, prep: Prepared) -> StreamResult:
@@ -124,6 +141,7 @@ class NodeScatter:
                     prep.device,
                     prep.source if group_rank == reader else None,
                     prep.shards,
+                    StatusRoute(self._sides[node], torch.device("cpu")) if self._sides else None,
                 )
             )
         except BaseException as exc:  # noqa: BLE001 - other nodes must hear of it too
@@ -133,7 +151,8 @@ class NodeScatter:
 
     def close(self) -> None:
         """Destroys the node groups (every rank calls it, after the same last collective)."""
-        groups, self._groups, self._layout = self._groups, [], None
+        groups, self._groups, self._layout = self._groups + self._sides, [], None
+        self._sides = []
         for g in groups:
             dist.destroy_process_group(g)
 

@@ -13,7 +13,8 @@ import torch.distributed as dist
 
 from .pack import Packer, StagingRing
 from ..plan.buckets import Plan
-from .protocol import StatusCheck, gather_or_raise
+from .protocol import StatusRoute, gather_or_raise, open_status_route
+from .staging import Stager, open_stager, settle
 from ..report import progress_enabled
 from ..io.sources import Source
 from .transport import Transport
@@ -30,40 +31,6 @@ class Shards:
     progress: bool | None
     skip: frozenset[int] = field(default_factory=frozenset)  # targets that need no copy (mapped)
     quant: dict[str, Any] = field(default_factory=dict)  # logical key -> QuantTensor (dequantized on pack)
-
-
-class DeviceStager:
-    """Pinned staging slot -> device buffer, on a dedicated copy stream.
-
-    Events keep a pinned slot from being repacked before its copy finished,
-    and the collective from starting before its bytes landed, so packing
-    bucket k+2, copying k+1 to the device and scattering k overlap.
-    """
-
-    def __init__(self, slots: int, nbytes: int, device: torch.device) -> None:
-        self.buffers = [torch.empty(nbytes, dtype=torch.uint8, device=device) for _ in range(slots)]
-        self.stream = torch.cuda.Stream(device)
-        self.copied: list[Any] = [None] * slots
-
-    def before_pack(self, k: int) -> None:
-        """Waits until the pinned slot of bucket k is free again."""
-        event = self.copied[k % len(self.buffers)]
-        if event is not None:
-            event.synchronize()
-
-    def push(self, k: int, host: torch.Tensor) -> torch.Tensor:
-        """Starts the host-to-device copy of bucket k; returns the device bytes."""
-        buf = self.buffers[k % len(self.buffers)][: host.numel()]
-        # The buffer's last collective was waited on the compute stream: order after it.
-        self.stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(self.stream):
-            buf.copy_(host, non_blocking=True)
-            event = torch.cuda.Event()
-            event.record(self.stream)
-        self.copied[k % len(self.buffers)] = event
-        # NCCL waits on the current stream when the collective is enqueued.
-        torch.cuda.current_stream().wait_event(event)
-        return buf
 
 
 def _progress_bar(total: int, enabled: bool | None) -> Any:
@@ -83,8 +50,12 @@ def scatter(
     device: torch.device,
     source: Source | None,
     shards: Shards,
+    status: StatusRoute | None = None,
 ) -> tuple[int, int]:
     """One reader (``source`` given on it only) -> every rank of ``group``.
+
+    Args:
+        status: where the per-bucket status flags travel (default: ``group``; see ``open_status_route``).
 
     Returns:
         (staging peak bytes, bytes read) on this rank.
@@ -93,14 +64,15 @@ def scatter(
     if device.type == "cpu":
         # The reader's own shards are filled from the files in place.
         plan.set_direct(src_group_rank)
-    elif device.type == "cuda":
+    else:
         slots = max(slots, 3)  # pack k+2, copy k+1 to the device, scatter k
     packer = (
         Packer(source, plan, shards.locals_, shards.fallbacks, shards.skip, shards.quant)
         if source is not None
         else None
     )
-    peak = _stream(plan, group_rank, src_rank, group, device, packer, shards.locals_, slots, shards.progress)
+    status = status or open_status_route(group, device, create=False)
+    peak = _stream(plan, group_rank, src_rank, group, device, packer, shards.locals_, slots, shards.progress, status)
     return peak, packer.bytes_read if packer is not None else 0
 
 
@@ -111,45 +83,59 @@ def read_owned(
     group_rank: int,
     group: dist.ProcessGroup | None,
     device: torch.device,
+    status: StatusRoute | None = None,
 ) -> tuple[int, int]:
-    """Every rank reads its own segments; no transport. Returns (peak, bytes read)."""
+    """Every rank reads its own segments; no transport. Returns (peak, bytes read).
+
+    Shards on the CPU are filled straight from the files. Elsewhere bucket k is
+    packed into a host slot, copied to the device on the copy stream and
+    unpacked on the compute stream, while bucket k+1 is packed into the next
+    slot (at least two; see ``Stager``).
+    """
     assert source is not None
-    status = StatusCheck(group, device)
+    check = (status or open_status_route(group, device, create=False)).check()
     locals_ = shards.locals_
     packer = Packer(source, plan, locals_, shards.fallbacks, shards.skip, shards.quant)
-    staging: StagingRing | None = None
-    if device.type == "cpu":
+    stager: Stager | None = None
+    if plan.buckets:
+        # Shards on the CPU (FSDP2 offload too) are filled in place: nothing stages there.
+        on_cpu = all(t.device.type == "cpu" for t in locals_)
+        at = torch.device("cpu") if on_cpu else device
+        stager = open_stager(at, max(shards.slots, 2), plan.max_rank_bucket_bytes(group_rank))
+    if stager is None:
         plan.set_direct(group_rank)
-    elif plan.buckets:
-        staging = StagingRing(1, plan.max_rank_bucket_bytes(group_rank), pin=device.type == "cuda")
     failure: BaseException | None = None
     previous = None
     bar = _progress_bar(sum(s.nbytes for b in plan.buckets for s in b.segments[group_rank]), shards.progress)
     try:
-        for bucket in plan.buckets:
+        for k, bucket in enumerate(plan.buckets):
             try:
                 packer.check_source()
-                if staging is None:
+                if stager is None:
                     packer.pack(bucket, torch.empty(0, dtype=torch.uint8), only=group_rank)
                 else:
-                    wire = packer.pack(bucket, staging[0], only=group_rank)
-                    unpack(bucket, group_rank, wire.to(device, non_blocking=True), locals_)
+                    wire = packer.pack(bucket, stager.host(k), only=group_rank)
+                    unpack(bucket, group_rank, stager.push(k, wire), locals_)
+                    stager.consumed(k)
                 if bar is not None:
                     bar.update(sum(s.nbytes for s in bucket.segments[group_rank]))
             except BaseException as exc:  # noqa: BLE001 - reported to every rank below
                 failure = exc
-            if previous is not None and status.result(previous):
+            if previous is not None and check.result(previous):
                 break
-            previous = status.post(failure is not None)
+            previous = check.post(failure is not None)
             if failure is not None:
                 break
-        failed = status.result(previous) if previous is not None else False
-        if failure is not None or failed or status.any_failed(failure is not None):
+        failed = check.result(previous) if previous is not None else False
+        if failure is not None or failed or check.any_failed(failure is not None):
             gather_or_raise(None, failure, group_rank, group, device)
+        settle(device)
     finally:
         if bar is not None:
             bar.close()
-    return (staging.peak_bytes if staging else 0), packer.bytes_read
+        if stager is not None:
+            stager.close()
+    return (stager.peak_bytes if stager else 0), packer.bytes_read
 
 
 def _stream(
@@ -162,17 +148,18 @@ def _stream(
     locals_: list[torch.Tensor],
     slots: int,
     progress: bool | None,
+    status: StatusRoute,
 ) -> int:
     """Runs the bucket pipeline; returns the staging ring's peak bytes (reader)."""
     transport = Transport(group, src_rank, device)
     ring: StagingRing | None = None
-    stager: DeviceStager | None = None
+    stager: Stager | None = None
     if packer is not None and plan.buckets:
-        pin = device.type == "cuda"
-        ring = StagingRing(min(slots, len(plan.buckets)), plan.max_bucket_bytes, pin=pin)
+        nslots = min(slots, len(plan.buckets))
+        stager = open_stager(device, nslots, plan.max_bucket_bytes)
+        if stager is None:
+            ring = StagingRing(nslots, plan.max_bucket_bytes)
         packer.bytes_read = 0
-        if device.type == "cuda":
-            stager = DeviceStager(len(ring.slots), plan.max_bucket_bytes, device)
     recv_len = plan.max_rank_bucket_bytes(transport.rank)
     # Receivers hold one receive buffer (the memory contract); the reader keeps
     # `slots` buckets in flight so packing k+1 overlaps the transport of k.
@@ -182,12 +169,14 @@ def _stream(
     ]
     bar = _progress_bar(plan.payload_bytes, progress) if packer is not None else None
     inflight: deque[tuple[int, torch.Tensor, Any]] = deque()
-    status = StatusCheck(group, device)
+    check = status.check()
     failure: BaseException | None = None
 
     def finish(unpack_it: bool = True) -> None:
         k, recv, handle = inflight.popleft()
         Transport.wait(handle)
+        if stager is not None:
+            stager.consumed(k)  # the collective that read bucket k's device bytes is done
         if unpack_it:
             unpack(plan.buckets[k], transport.rank, recv, locals_)
 
@@ -198,37 +187,38 @@ def _stream(
             try:
                 if len(inflight) == depth:
                     finish()
-                if packer is not None and ring is not None:
+                if packer is not None and (ring is not None or stager is not None):
                     packer.check_source()
                     if stager is not None:
-                        stager.before_pack(k)
-                    send = packer.pack(bucket, ring[k])
-                    if stager is not None:
-                        send = stager.push(k, send)
+                        send = stager.push(k, packer.pack(bucket, stager.host(k)))
+                    else:
+                        assert ring is not None
+                        send = packer.pack(bucket, ring[k])
                     if bar is not None:
                         bar.update(sum(seg.nbytes for segs in bucket.segments for seg in segs))
             except BaseException as exc:  # noqa: BLE001 - reported to every rank below
                 failure = exc
             # All ranks read the same verdict on bucket k-1 here, so all stop at the same bucket.
-            if previous is not None and status.result(previous):
+            if previous is not None and check.result(previous):
                 break
-            previous = status.post(failure is not None)
-            if send is None and ring is not None:
+            previous = check.post(failure is not None)
+            if send is None and packer is not None:
                 # A failed pack still takes part in the collective it announced.
-                send = stager.buffers[k % len(stager.buffers)] if stager is not None else ring[k]
+                send = stager.device(k) if stager is not None else ring[k] if ring is not None else None
             recv = recv_ring[k % len(recv_ring)][: bucket.wire_bytes(transport.rank)]
             inflight.append((k, recv, transport.start(bucket, send, recv)))
         else:
-            failed = previous is not None and status.result(previous)
+            failed = previous is not None and check.result(previous)
             if not failed:
                 try:
                     while inflight:
                         finish()
+                    settle(device)
                 except BaseException as exc:  # noqa: BLE001
                     failure = exc
-                failed = status.any_failed(failure is not None)
+                failed = check.any_failed(failure is not None)
             if not failed:
-                return ring.peak_bytes if ring is not None else 0
+                return stager.peak_bytes if stager is not None else ring.peak_bytes if ring is not None else 0
         # Someone failed: finish the collectives already posted, then agree on the error.
         while inflight:
             finish(unpack_it=False)
@@ -237,8 +227,7 @@ def _stream(
     finally:
         if bar is not None:
             bar.close()
-        if device.type == "cuda":
-            # Give the staging and receive buffers back, cached blocks included.
-            del recv_ring, stager
-            torch.cuda.synchronize(device)
-            torch.cuda.empty_cache()
+        if stager is not None:
+            stager.close()  # waits for its copies, unregisters its host slots
+        # The receive buffers go back to torch's caching allocator (never empty_cache()).
+        del recv_ring

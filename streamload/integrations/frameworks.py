@@ -47,9 +47,30 @@ def fsdp2_load_full_state_dict(
     source = full_state if rank == 0 else None
     report = load_checkpoint(model, source, device_mesh=device_mesh, strict=True, progress=False)
     if cpu_offload is not None:
-        device = next((b.device for b in model.buffers()), None)
-        model.to("cpu", non_blocking=True)
-        if device is not None:
-            for buf in model.buffers():
-                buf.data = buf.data.to(device)
+        offload_parameters(model)
     return report
+
+
+def offload_parameters(model: nn.Module) -> None:
+    """verl's ``cpu_offload`` step: parameters to the CPU, buffers back to their device.
+
+    The moves are asynchronous (``non_blocking``, into pinned memory) and every
+    device they left is synchronised before returning: a caller reading the CPU
+    parameters right away must see the loaded bytes, not a copy still in flight.
+    Parameters FSDP2 already offloaded (``CPUOffloadPolicy``) do not move.
+
+    Args:
+        model: the loaded model.
+
+    Example:
+        >>> offload_parameters(model)
+    """
+    held = [t.to_local() if hasattr(t, "to_local") else t for t in (*model.parameters(), *model.buffers())]
+    devices = {t.device for t in held if t.device.type not in ("cpu", "meta")}
+    device = next((b.device for b in model.buffers()), None)
+    model.to("cpu", non_blocking=True)
+    if device is not None:
+        for buf in model.buffers():
+            buf.data = buf.data.to(device, non_blocking=True)
+    for d in devices:
+        getattr(torch, d.type).synchronize(d)

@@ -13,7 +13,7 @@ from torch import nn
 
 from ..load.driver import run_load
 from ..load.prepare import LoadOptions
-from ..load.source import compare_tied, open_source, resolve_group
+from ..load.source import compare_tied, open_source, resolve_device, resolve_group
 from ..model.state import rebind_ties, record_state
 
 
@@ -165,9 +165,8 @@ def from_pretrained(
 
         dev = "cuda" if "nccl" in str(dist.get_backend(group)) else "cpu"
         device_mesh = init_device_mesh(dev, (dist.get_world_size(group),))
-    bcast_device = torch.device(device_mesh.device_type if device_mesh is not None else "cpu")
-    if bcast_device.type == "cuda":
-        bcast_device = torch.device("cuda", torch.cuda.current_device())
+    # No model yet: the index is the group's bound device, else the current one.
+    bcast_device = resolve_device(nn.Module(), device_mesh, group) if device_mesh is not None else torch.device("cpu")
 
     # The reader sends the config with the tensor table; no other rank needs the files.
     empty = record_state(nn.Module())

@@ -16,15 +16,6 @@ DEQUANT_FIELDS: int = _ext.DEQUANT_FIELDS
 DEQUANT_KINDS: dict[str, int] = dict(_ext.DEQUANT_KINDS)
 
 
-def cuda_module():
-    """Returns the optional CUDA extension, or None where it was not built."""
-    try:
-        from .. import _streamload_cuda  # type: ignore[attr-defined]
-    except ImportError:
-        return None
-    return _streamload_cuda
-
-
 __all__ = [
     "DEQUANT_FIELDS",
     "DEQUANT_KINDS",
@@ -33,7 +24,6 @@ __all__ = [
     "OP_FIELDS",
     "CopyEngine",
     "SafetensorsFile",
-    "cuda_module",
     "default_threads",
     "dequantize",
     "parse_header",

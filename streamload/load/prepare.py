@@ -21,6 +21,7 @@ from ..io._native import default_threads
 from ..io.checkpoint import Checkpoint
 from ..io.sources import Source, as_source
 from ..model.mapped import MappedShards, map_shards
+from ..model.offload import materialize_offloaded, offloads_to_cpu
 from ..model.state import (
     ModelState,
     get_tensor,
@@ -244,7 +245,10 @@ def _check_and_materialize(
     validate_shapes(match.targets, local.table)
     clock.mark("match")
     if is_meta(model):
-        materialize(model, device)
+        if offloads_to_cpu(model):  # FSDP2 CPU offload: the shards live on the CPU
+            materialize_offloaded(model, device)
+        else:
+            materialize(model, device)
         local.unrestored = restore_buffers(model, state)
     rebind_ties(model, state.ties)
     clock.mark("materialize")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -13,7 +14,7 @@ from ..dist.protocol import portable
 from ..dist.transport import broadcast_object
 from ..errors import CheckpointError, StreamloadError
 from ..io.sources import Source, as_source
-from ..model.state import ModelState
+from ..model.state import ModelState, local_tensor
 from ..plan.convert import FALLBACK_PREFIX, Table
 
 # Tied duplicates are compared this many bytes at a time: never a full copy.
@@ -54,7 +55,14 @@ def resolve_group(process_group: dist.ProcessGroup | None, device_mesh: Any) -> 
 
 
 def resolve_device(model: nn.Module, device_mesh: Any, group: dist.ProcessGroup | None) -> torch.device:
-    """The device local shards live on: the mesh's, else the model's, else by backend."""
+    """The device collectives and device-resident tensors use.
+
+    Its type comes from the mesh, else the model's parameters, else the backend. Its index
+    (never blindly ``current_device()``, which is 0 when the caller never called
+    ``set_device``) comes from a tensor the model already holds on that device, else the
+    group's bound device (``init_process_group(device_id=...)``), else the current device,
+    which is what ``fully_shard`` itself recorded for a meta model.
+    """
     dev_type = getattr(device_mesh, "device_type", None)
     if dev_type is None:
         for p in model.parameters():
@@ -63,13 +71,22 @@ def resolve_device(model: nn.Module, device_mesh: Any, group: dist.ProcessGroup 
                 dev_type = mesh.device_type
                 break
             if not p.is_meta:
-                return p.device
+                dev_type = p.device.type
+                break
     if dev_type is None:
         backend = dist.get_backend(group) if group is not None else "gloo"
         dev_type = "cuda" if "nccl" in str(backend) else "cpu"
-    if dev_type == "cuda":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device(dev_type)
+    if dev_type == "cpu":
+        return torch.device("cpu")
+    for t in itertools.chain(model.parameters(), model.buffers()):
+        held = local_tensor(t).device
+        if held.type == dev_type:
+            return held
+    for g in (group, dist.group.WORLD if dist.is_available() and dist.is_initialized() else None):
+        bound = getattr(g, "bound_device_id", None)
+        if isinstance(bound, torch.device) and bound.type == dev_type:
+            return bound
+    return torch.device(dev_type, getattr(torch, dev_type).current_device())
 
 
 def compare_tied(ckpt: Source, state: ModelState) -> list[str]:

@@ -1,0 +1,215 @@
+"""Staging for the GPU pipelines: host slots -> device buffers, with an event per slot.
+
+A ``Stager`` is the device-agnostic part (which slot bucket k uses, what must have
+completed before a slot is packed again or a device buffer is overwritten); a
+backend supplies the memory, the copy stream and the events. ``CudaBackend`` is
+the real one; tests plug a fake backend into ``BACKENDS`` to watch slot reuse on
+the CPU.
+
+Memory: host slots are page-locked with ``cudaHostRegister`` on a plain buffer
+and unregistered in ``close``, rather than taken from ``pin_memory=True``:
+torch's caching host allocator keeps every pinned block for the life of the
+process, so a staging ring allocated there would stay pinned after the load.
+Device buffers are freed back to torch's caching allocator (the caller's next
+allocation reuses them); streamload never calls ``torch.cuda.empty_cache()``,
+which would drop the whole process's cache.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, Protocol
+
+import torch
+
+PAGE = 4096
+
+
+class Event(Protocol):
+    """A point on a stream; the host can wait for it."""
+
+    def synchronize(self) -> None: ...
+
+
+class Backend(Protocol):
+    """What a Stager needs from a device.
+
+    Example:
+        >>> stager = Stager(2, 64 << 20, CudaBackend(torch.device("cuda", 0)))
+    """
+
+    def host_buffer(self, nbytes: int) -> torch.Tensor: ...
+
+    def device_buffer(self, nbytes: int) -> torch.Tensor: ...
+
+    def copy(self, dst: torch.Tensor, src: torch.Tensor, after: Event) -> Event: ...
+
+    def compute_waits(self, event: Event) -> None: ...
+
+    def record_compute(self) -> Event: ...
+
+    def synchronize(self) -> None: ...
+
+    def release(self) -> None: ...
+
+
+class Stager:
+    """``slots`` host slots and as many device buffers, used round-robin by bucket index.
+
+    The pipeline calls, for bucket k: ``host(k)`` (the slot to pack into), ``push(k, wire)``
+    (starts the copy; returns the device bytes the compute stream may use), and once the
+    consumer of those device bytes is enqueued on the compute stream, ``consumed(k)``.
+
+    - ``host(k)`` waits (host side) for the copy that last read the slot, and only for that:
+      with >= 2 slots, bucket k+1 is packed while bucket k is still being copied.
+    - ``push(k)`` starts the copy after the event recorded by ``consumed(k - slots)``, so a
+      device buffer is overwritten only after its previous bucket was unpacked or sent.
+
+    Args:
+        slots: number of host slots and device buffers (>= 1).
+        nbytes: bytes per slot.
+        backend: the device side (``CudaBackend``, or a test's fake).
+    """
+
+    def __init__(self, slots: int, nbytes: int, backend: Backend) -> None:
+        if slots < 1:
+            raise ValueError("a stager needs at least one slot")
+        self.backend = backend
+        self.slot_bytes = nbytes
+        self.hosts = [backend.host_buffer(nbytes) for _ in range(slots)]
+        self.devices = [backend.device_buffer(nbytes) for _ in range(slots)]
+        # The buffers were just allocated on the compute stream: a copy into one
+        # must follow whatever that stream did with the memory before.
+        start = backend.record_compute()
+        self.freed: list[Event] = [start] * slots
+        self.copied: list[Event | None] = [None] * slots
+        self.pending = [False] * slots  # device buffer holds a bucket not yet consumed
+        self.peak_bytes = slots * nbytes
+
+    @property
+    def slots(self) -> int:
+        return len(self.hosts)
+
+    def host(self, k: int) -> torch.Tensor:
+        """Bucket k's host slot, once the copy that last read it has completed."""
+        s = k % self.slots
+        event = self.copied[s]
+        if event is not None:
+            event.synchronize()
+            self.copied[s] = None
+        return self.hosts[s]
+
+    def push(self, k: int, wire: torch.Tensor) -> torch.Tensor:
+        """Starts copying bucket k's packed bytes; returns them on the device.
+
+        The compute stream is made to wait for the copy, so work enqueued there
+        afterwards (an unpack, a collective) sees the bytes.
+        """
+        s = k % self.slots
+        if self.pending[s]:
+            raise AssertionError(f"device buffer {s} reused before bucket {k - self.slots} was consumed")
+        if wire.untyped_storage().data_ptr() != self.hosts[s].untyped_storage().data_ptr():
+            raise AssertionError(f"bucket {k} was not packed into its host slot {s}")
+        dev = self.devices[s][: wire.numel()]
+        event = self.backend.copy(dev, wire, self.freed[s])
+        self.copied[s] = event
+        self.backend.compute_waits(event)
+        self.pending[s] = True
+        return dev
+
+    def device(self, k: int) -> torch.Tensor:
+        """Bucket k's device buffer as it is (a failed pack still takes part in its collective)."""
+        self.pending[k % self.slots] = True
+        return self.devices[k % self.slots]
+
+    def consumed(self, k: int) -> None:
+        """Marks that the consumer of bucket k's device bytes is enqueued on the compute stream."""
+        s = k % self.slots
+        self.freed[s] = self.backend.record_compute()
+        self.pending[s] = False
+
+    def close(self) -> None:
+        """Waits for every copy and the compute stream, then releases exactly what was allocated."""
+        try:
+            for event in self.copied:
+                if event is not None:
+                    event.synchronize()
+            self.backend.synchronize()
+        finally:
+            self.copied = [None] * self.slots
+            self.hosts, self.devices = [], []
+            self.backend.release()
+
+
+class CudaBackend:
+    """Registered host memory, a dedicated copy stream and CUDA events on ``device``."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.stream = torch.cuda.Stream(device)
+        self._registered: list[tuple[int, torch.Tensor]] = []
+
+    def host_buffer(self, nbytes: int) -> torch.Tensor:
+        """A page-aligned plain buffer, page-locked until ``release`` (see the module docstring)."""
+        raw = torch.empty(nbytes + PAGE, dtype=torch.uint8)
+        start = -raw.data_ptr() % PAGE
+        buf = raw[start : start + nbytes]
+        if nbytes:
+            err = int(torch.cuda.cudart().cudaHostRegister(buf.data_ptr(), nbytes, 0))
+            if err != 0:
+                raise RuntimeError(f"cudaHostRegister of {nbytes} staging bytes failed with cudaError {err}")
+            self._registered.append((buf.data_ptr(), raw))
+        return buf
+
+    def device_buffer(self, nbytes: int) -> torch.Tensor:
+        return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+
+    def copy(self, dst: torch.Tensor, src: torch.Tensor, after: Event) -> Event:
+        with torch.cuda.stream(self.stream):
+            self.stream.wait_event(after)  # type: ignore[arg-type]
+            dst.copy_(src, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record(self.stream)
+        return event
+
+    def compute_waits(self, event: Event) -> None:
+        torch.cuda.current_stream(self.device).wait_event(event)  # type: ignore[arg-type]
+
+    def record_compute(self) -> Event:
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(self.device))
+        return event
+
+    def synchronize(self) -> None:
+        self.stream.synchronize()
+        torch.cuda.current_stream(self.device).synchronize()
+
+    def release(self) -> None:
+        registered, self._registered = self._registered, []
+        errors = [int(torch.cuda.cudart().cudaHostUnregister(ptr)) for ptr, _ in registered]
+        del registered  # the plain buffers go back to the OS with their tensors
+        if any(errors):
+            raise RuntimeError(f"cudaHostUnregister of the staging slots failed: cudaErrors {errors}")
+
+
+# Device type -> backend factory. Only CUDA stages; on the CPU the pipelines read
+# straight into the shards. Tests register a fake backend for "cpu".
+BACKENDS: dict[str, Callable[[torch.device], Any]] = {"cuda": CudaBackend}
+
+
+def open_stager(device: torch.device, slots: int, nbytes: int) -> Stager | None:
+    """A Stager for ``device``, or None where its pipelines do not stage (the CPU).
+
+    Example:
+        >>> stager = open_stager(torch.device("cuda", 0), 2, 256 << 20)
+    """
+    factory = BACKENDS.get(device.type)
+    if factory is None:
+        return None
+    return Stager(slots, nbytes, factory(device))
+
+
+def settle(device: torch.device) -> None:
+    """Waits once, at the end of a load, for the work it enqueued on ``device``'s compute stream."""
+    if device.type == "cuda":
+        torch.cuda.current_stream(device).synchronize()
