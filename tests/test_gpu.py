@@ -1,14 +1,17 @@
-"""GPU tests: NCCL world size 1 and the CUDA kernels. Skipped without CUDA;
-run by benchmarks/gpu_check.sh on a GPU machine."""
+"""GPU tests: one NCCL rank on a CUDA device. Skipped without CUDA; run by
+benchmarks/gpu_check.sh on a GPU machine. Their CPU halves (slot reuse, side
+group, offload on a CPU mesh) are in tests/test_gpu_path.py."""
 
 from __future__ import annotations
 
+import gc
 import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
-
-from streamload.io import _native
 
 pytestmark = [
     pytest.mark.gpu,
@@ -16,50 +19,181 @@ pytestmark = [
 ]
 
 
-def test_widen_kernels_match_torch() -> None:
-    cuda = _native.cuda_module()
-    assert cuda is not None, "built without the CUDA extension (STREAMLOAD_CUDA=ON)"
-    gen = torch.Generator().manual_seed(0)
-    for dtype in (torch.bfloat16, torch.float16):
-        src = (torch.randn(1 << 20, generator=gen) * 100).to(dtype).cuda()
-        out = torch.empty(src.shape, dtype=torch.float32, device="cuda")
-        cuda.widen_to_f32(
-            src.data_ptr(),
-            out.data_ptr(),
-            src.numel(),
-            dtype == torch.bfloat16,
-            torch.cuda.current_stream().cuda_stream,
-        )
-        torch.cuda.synchronize()
-        assert torch.equal(out, src.float())
-
-
-def test_nccl_world_size_one_matches_transformers(tmp_path) -> None:
+@pytest.fixture(scope="module")
+def mesh() -> Iterator[Any]:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
-    from transformers import AutoModelForCausalLM
 
-    import streamload
-    from streamload.tools.synthetic import make_checkpoint
-
-    ckpt = make_checkpoint(
-        tmp_path / "ck", "qwen3_moe", tie=True, seed=3, num_experts=5, max_shard_size="30KB"
-    )
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29533")
+    torch.cuda.set_device(0)
     dist.init_process_group("nccl", rank=0, world_size=1)
     try:
-        torch.cuda.set_device(0)
-        mesh = init_device_mesh("cuda", (1,))
-        before = torch.cuda.memory_allocated()
-        model = streamload.from_pretrained(str(ckpt), device_mesh=mesh, dtype=torch.float32, progress=False)
-        ref = AutoModelForCausalLM.from_pretrained(str(ckpt), dtype=torch.float32)
-        for name, p in model.named_parameters():
-            assert p.device.type == "cuda"
-            assert torch.equal(p.full_tensor().cpu(), dict(ref.named_parameters())[name]), name
-        assert model.lm_head.weight is model.get_input_embeddings().weight
-        shards = sum(p.to_local().numel() * p.element_size() for p in model.parameters())
-        # What streamload allocated on the device beyond the shards is released.
-        assert torch.cuda.memory_allocated() - before <= shards + (1 << 20)
+        yield init_device_mesh("cuda", (1,))
     finally:
         dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def ckpts(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    from streamload.tools.synthetic import make_checkpoint
+
+    root = tmp_path_factory.mktemp("gpu")
+    return {
+        "moe": str(
+            make_checkpoint(root / "moe", "qwen3_moe", tie=True, seed=3, num_experts=5, max_shard_size="30KB")
+        ),
+        # ~100 MB, many files: big enough that a copy still in flight would be seen.
+        "dense": str(
+            make_checkpoint(
+                root / "dense",
+                "qwen2",
+                tie=True,
+                seed=4,
+                layers=4,
+                vocab=8192,
+                hidden_size=768,
+                intermediate_size=2304,
+                num_attention_heads=8,
+                num_key_value_heads=4,
+                max_shard_size="20MB",
+            )
+        ),
+    }
+
+
+def _reference(ckpt: str, dtype: torch.dtype | None) -> Any:
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(ckpt, dtype=dtype or "auto")
+
+
+def _assert_equal(model: Any, ref: Any) -> None:
+    from streamload.io.copy_ops import bit_view
+
+    ref_params = dict(ref.named_parameters())
+    for name, p in model.named_parameters():
+        got = p.full_tensor() if hasattr(p, "full_tensor") else p
+        want = ref_params[name]
+        assert got.dtype == want.dtype and torch.equal(bit_view(got.cpu()), bit_view(want)), name
+
+
+def _process_groups() -> int:
+    import torch.distributed as dist
+
+    return len(dist.distributed_c10d._world.pg_map)
+
+
+def _pinned_cache() -> int:
+    stats = torch.cuda.host_memory_stats()
+    return int(stats.get("allocated_bytes.current", 0))
+
+
+@pytest.mark.parametrize("readers", ["src", "owners"])
+def test_nccl_world_size_one_matches_transformers_and_releases(mesh, ckpts, readers: str) -> None:
+    import streamload
+    from streamload.dist import staging
+
+    # An earlier test may have left cached blocks: measure what this load adds.
+    gc.collect()
+    before = (torch.cuda.memory_allocated(), _pinned_cache(), _process_groups())
+    model = streamload.from_pretrained(
+        ckpts["moe"], device_mesh=mesh, dtype=torch.float32, progress=False, readers=readers, bucket_bytes=8192
+    )
+    assert model.streamload_report.reader.startswith(readers), model.streamload_report.reader
+    _assert_equal(model, _reference(ckpts["moe"], torch.float32))
+    assert all(p.device.type == "cuda" for p in model.parameters())
+    assert model.lm_head.weight is model.get_input_embeddings().weight
+    shards = sum(p.to_local().numel() * p.element_size() for p in model.parameters())
+    shards += sum(b.numel() * b.element_size() for b in model.buffers())
+    # Exactly the model stays: staging and receive buffers were given back, pinned slots
+    # unregistered (torch's pinned cache did not grow), and no process group was left.
+    assert torch.cuda.memory_allocated() - before[0] <= shards + (1 << 20)
+    assert _pinned_cache() == before[1]
+    assert staging.registered_bytes() == 0
+    assert _process_groups() == before[2]
+
+
+def test_many_small_buckets_through_the_owners_pipeline(mesh, ckpts) -> None:
+    import streamload
+
+    # 64 KiB buckets: ~1500 of them through 2 host slots, each repacked as soon as its copy is done.
+    model = streamload.from_pretrained(
+        ckpts["dense"], device_mesh=mesh, progress=False, readers="owners", bucket_bytes=64 << 10
+    )
+    assert model.streamload_report.buckets > 1000
+    _assert_equal(model, _reference(ckpts["dense"], None))
+
+
+def test_load_never_empties_the_process_cache(mesh, ckpts, monkeypatch: pytest.MonkeyPatch) -> None:
+    import streamload
+
+    def refuse() -> None:
+        raise AssertionError("streamload emptied the whole process's CUDA cache")
+
+    monkeypatch.setattr(torch.cuda, "empty_cache", refuse)
+    for readers in ("src", "owners"):
+        streamload.from_pretrained(ckpts["moe"], device_mesh=mesh, progress=False, readers=readers)
+
+
+def test_cpu_offload_materialises_on_the_cpu(mesh, ckpts) -> None:
+    from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    import streamload
+    from streamload.model.state import rebind_ties, record_state
+
+    ckpt = ckpts["dense"]
+    config = AutoConfig.from_pretrained(ckpt)
+    for readers in ("src", "owners"):
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config, dtype=config.dtype)
+        rebind_ties(model, record_state(model).ties)
+        for layer in model.model.layers:
+            fully_shard(layer, mesh=mesh, offload_policy=CPUOffloadPolicy())
+        fully_shard(model, mesh=mesh, offload_policy=CPUOffloadPolicy())
+        gc.collect()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        streamload.load_checkpoint(
+            model, ckpt, device_mesh=mesh, progress=False, readers=readers, bucket_bytes=4 << 20
+        )
+        shards = sum(p.to_local().numel() * p.element_size() for p in model.parameters())
+        # No shard was ever allocated on the GPU: only staging buffers and the (small) buffers.
+        assert torch.cuda.max_memory_allocated() - base < shards / 2
+        assert all(p.to_local().device.type == "cpu" and p.to_local().is_pinned() for p in model.parameters())
+        assert all(b.device.type == "cuda" for b in model.buffers())
+        _assert_equal(model, _reference(ckpt, None))
+        ids = torch.arange(8, device="cuda").view(1, 8)
+        model(input_ids=ids).logits.float().sum().backward()
+
+
+def test_fsdp2_cpu_offload_returns_finished_copies(mesh, ckpts) -> None:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    import streamload
+    from streamload.integrations.pretrained import default_shard_fn
+
+    ckpt = ckpts["dense"]
+    config = AutoConfig.from_pretrained(ckpt)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=config.dtype)
+    default_shard_fn(model, mesh)
+    streamload.fsdp2_load_full_state_dict(model, streamload.Checkpoint(ckpt), mesh, cpu_offload=True)
+    # Read straight away: the parameters' device-to-host copies must be complete.
+    assert all(p.to_local().device.type == "cpu" for p in model.parameters())
+    _assert_equal(model, _reference(ckpt, None))
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
+def test_device_comes_from_the_model_not_current_device(mesh, ckpts, tmp_path: Path) -> None:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    import streamload
+
+    ckpt = ckpts["moe"]
+    torch.cuda.set_device(0)
+    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(ckpt)).to("cuda:1")
+    streamload.load_checkpoint(model, ckpt, progress=False)
+    assert {p.device for p in model.parameters()} == {torch.device("cuda", 1)}
+    _assert_equal(model, _reference(ckpt, torch.float32))

@@ -24,6 +24,18 @@ import torch
 
 PAGE = 4096
 
+# Bytes streamload holds page-locked right now, every stager together (0 between loads).
+_REGISTERED = {"bytes": 0}
+
+
+def registered_bytes() -> int:
+    """Host bytes streamload's stagers hold page-locked now; 0 once every load returned.
+
+    Example:
+        >>> assert registered_bytes() == 0
+    """
+    return _REGISTERED["bytes"]
+
 
 class Event(Protocol):
     """A point on a stream; the host can wait for it."""
@@ -159,6 +171,7 @@ class CudaBackend:
             if err != 0:
                 raise RuntimeError(f"cudaHostRegister of {nbytes} staging bytes failed with cudaError {err}")
             self._registered.append((buf.data_ptr(), raw))
+            _REGISTERED["bytes"] += nbytes
         return buf
 
     def device_buffer(self, nbytes: int) -> torch.Tensor:
@@ -187,6 +200,7 @@ class CudaBackend:
     def release(self) -> None:
         registered, self._registered = self._registered, []
         errors = [int(torch.cuda.cudart().cudaHostUnregister(ptr)) for ptr, _ in registered]
+        _REGISTERED["bytes"] -= sum(raw.numel() - PAGE for _, raw in registered)
         del registered  # the plain buffers go back to the OS with their tensors
         if any(errors):
             raise RuntimeError(f"cudaHostUnregister of the staging slots failed: cudaErrors {errors}")
