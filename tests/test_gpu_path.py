@@ -15,7 +15,7 @@ from rank_group import RankGroup
 from torch import nn
 
 from streamload.dist import protocol
-from streamload.dist.staging import Stager, open_stager
+from streamload.dist.staging import PAGE, CudaBackend, Stager, open_stager, registered_bytes
 from streamload.load.source import resolve_device
 from streamload.tools.synthetic import make_checkpoint
 
@@ -97,6 +97,29 @@ def test_stager_refuses_to_overwrite_an_unconsumed_device_buffer() -> None:
     stager.consumed(1)
     with pytest.raises(AssertionError, match="not packed into its host slot"):
         stager.push(3, torch.zeros(4, dtype=torch.uint8))
+
+
+def test_host_slots_are_page_locked_and_given_back(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls: list[tuple[str, int]] = []
+    fake = SimpleNamespace(
+        cudaHostRegister=lambda ptr, n, flags: calls.append(("register", ptr)) or 0,
+        cudaHostUnregister=lambda ptr: calls.append(("unregister", ptr)) or 0,
+    )
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: fake)
+    backend = CudaBackend.__new__(CudaBackend)  # no stream: only the host side is exercised
+    backend._registered = []
+    bufs = [backend.host_buffer(n) for n in (5000, 1 << 20, 0)]
+    assert [b.numel() for b in bufs] == [5000, 1 << 20, 0]
+    assert all(b.data_ptr() % PAGE == 0 for b in bufs[:2])
+    assert registered_bytes() == 5000 + (1 << 20)
+    backend.release()
+    assert registered_bytes() == 0
+    registered = sorted(p for op, p in calls if op == "register")
+    assert len(registered) == 2 and registered == sorted(p for op, p in calls if op == "unregister")
+    fake.cudaHostRegister = lambda ptr, n, flags: 2  # cudaErrorMemoryAllocation
+    with pytest.raises(RuntimeError, match="cudaHostRegister"):
+        backend.host_buffer(4096)
+    assert registered_bytes() == 0
 
 
 def test_cpu_pipelines_do_not_stage() -> None:
