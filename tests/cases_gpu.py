@@ -42,7 +42,13 @@ class FakeBackend:
     LOG: list[dict[str, Any]] = []
 
     def __init__(self, device: torch.device) -> None:
-        self.rec: dict[str, Any] = {"slots": 0, "copies": 0, "overlaps": 0, "violations": [], "released": False}
+        self.rec: dict[str, Any] = {
+            "slots": 0,
+            "copies": 0,
+            "overlaps": 0,
+            "violations": [],
+            "released": False,
+        }
         FakeBackend.LOG.append(self.rec)
         self.hosts: list[torch.Tensor] = []
         self.events: list[FakeEvent] = []
@@ -158,7 +164,9 @@ def case_side_group(rank: int, world: int, *, ckpt: str, loads: int = 3) -> dict
 
             Packer.pack = pack  # type: ignore[method-assign]
         try:
-            streamload.from_pretrained(ckpt, device_mesh=mesh, bucket_bytes=4096, progress=False, readers="owners")
+            streamload.from_pretrained(
+                ckpt, device_mesh=mesh, bucket_bytes=4096, progress=False, readers="owners"
+            )
         except streamload.CheckpointFileError as exc:
             errors.append((type(exc).__name__, exc.rank))
         counts.append(_process_group_count())
@@ -186,7 +194,9 @@ def _offloaded_meta_model(ckpt: str, mesh: Any, pin: bool = False) -> Any:
     return model
 
 
-def case_offload(rank: int, world: int, *, ckpt: str, ws: int, readers: str, verl: bool = False) -> dict | None:
+def case_offload(
+    rank: int, world: int, *, ckpt: str, ws: int, readers: str, verl: bool = False
+) -> dict | None:
     """Loads into a meta model sharded with FSDP2 CPUOffloadPolicy on a CPU mesh, then trains a step."""
     from streamload.model.offload import offloads_to_cpu
 
@@ -200,9 +210,13 @@ def case_offload(rank: int, world: int, *, ckpt: str, ws: int, readers: str, ver
         full_state = streamload.Checkpoint(ckpt) if rank == 0 else {}
         from torch.distributed.fsdp import CPUOffloadPolicy
 
-        streamload.fsdp2_load_full_state_dict(model, full_state, mesh, cpu_offload=CPUOffloadPolicy(pin_memory=False))
+        streamload.fsdp2_load_full_state_dict(
+            model, full_state, mesh, cpu_offload=CPUOffloadPolicy(pin_memory=False)
+        )
     else:
-        streamload.load_checkpoint(model, path, device_mesh=mesh, bucket_bytes=4096, progress=False, readers=readers)
+        streamload.load_checkpoint(
+            model, path, device_mesh=mesh, bucket_bytes=4096, progress=False, readers=readers
+        )
     ref = reference(ckpt, None)
     bad = compare_model(model, ref)
     assert not bad, f"differ from transformers: {bad}"
@@ -229,6 +243,8 @@ def case_offload_placement(rank: int, world: int, *, ckpt: str) -> dict:
         unoffloaded = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(ckpt))
     fully_shard(unoffloaded, mesh=mesh)
     materialize_offloaded(offloaded, torch.device("meta"))
-    params = {type(p).__name__: p.to_local().device.type for p in offloaded.parameters() if isinstance(p, DTensor)}
+    params = {
+        type(p).__name__: p.to_local().device.type for p in offloaded.parameters() if isinstance(p, DTensor)
+    }
     buffers = {b.device.type for b in offloaded.buffers()}
     return {"params": params, "buffers": sorted(buffers), "detects": offloads_to_cpu(unoffloaded)}

@@ -98,7 +98,12 @@ def test_nccl_world_size_one_matches_transformers_and_releases(mesh, ckpts, read
     gc.collect()
     before = (torch.cuda.memory_allocated(), _pinned_cache(), _process_groups())
     model = streamload.from_pretrained(
-        ckpts["moe"], device_mesh=mesh, dtype=torch.float32, progress=False, readers=readers, bucket_bytes=8192
+        ckpts["moe"],
+        device_mesh=mesh,
+        dtype=torch.float32,
+        progress=False,
+        readers=readers,
+        bucket_bytes=8192,
     )
     assert model.streamload_report.reader.startswith(readers), model.streamload_report.reader
     _assert_equal(model, _reference(ckpts["moe"], torch.float32))
