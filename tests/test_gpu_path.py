@@ -122,6 +122,19 @@ def test_host_slots_are_page_locked_and_given_back(monkeypatch: pytest.MonkeyPat
     assert registered_bytes() == 0
 
 
+def test_a_stager_that_fails_to_allocate_releases_what_it_had() -> None:
+    class Failing(FakeBackend):
+        def host_buffer(self, nbytes: int) -> torch.Tensor:
+            if self.rec["slots"] == 1:
+                raise RuntimeError("cudaHostRegister failed")
+            return super().host_buffer(nbytes)
+
+    backend = Failing(torch.device("cpu"))
+    with pytest.raises(RuntimeError, match="cudaHostRegister"):
+        Stager(2, 64, backend)
+    assert backend.rec["released"] and backend.hosts == []
+
+
 def test_cpu_pipelines_do_not_stage() -> None:
     assert open_stager(torch.device("cpu"), 2, 64) is None
 

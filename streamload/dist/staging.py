@@ -88,8 +88,12 @@ class Stager:
             raise ValueError("a stager needs at least one slot")
         self.backend = backend
         self.slot_bytes = nbytes
-        self.hosts = [backend.host_buffer(nbytes) for _ in range(slots)]
-        self.devices = [backend.device_buffer(nbytes) for _ in range(slots)]
+        try:
+            self.hosts = [backend.host_buffer(nbytes) for _ in range(slots)]
+            self.devices = [backend.device_buffer(nbytes) for _ in range(slots)]
+        except BaseException:
+            backend.release()  # the slots registered before the failure
+            raise
         # The buffers were just allocated on the compute stream: a copy into one
         # must follow whatever that stream did with the memory before.
         start = backend.record_compute()

@@ -96,6 +96,7 @@ def read_owned(
     check = (status or open_status_route(group, device, create=False)).check()
     locals_ = shards.locals_
     packer = Packer(source, plan, locals_, shards.fallbacks, shards.skip, shards.quant)
+    bar = _progress_bar(sum(s.nbytes for b in plan.buckets for s in b.segments[group_rank]), shards.progress)
     stager: Stager | None = None
     if plan.buckets:
         # Shards on the CPU (FSDP2 offload too) are filled in place: nothing stages there.
@@ -106,7 +107,6 @@ def read_owned(
         plan.set_direct(group_rank)
     failure: BaseException | None = None
     previous = None
-    bar = _progress_bar(sum(s.nbytes for b in plan.buckets for s in b.segments[group_rank]), shards.progress)
     try:
         for k, bucket in enumerate(plan.buckets):
             try:
@@ -164,9 +164,14 @@ def _stream(
     # Receivers hold one receive buffer (the memory contract); the reader keeps
     # `slots` buckets in flight so packing k+1 overlaps the transport of k.
     depth = max(1, min(slots, len(plan.buckets))) if packer is not None else 1
-    recv_ring = [
-        torch.empty(recv_len, dtype=torch.uint8, device=device) for _ in range(depth if recv_len else 1)
-    ]
+    try:
+        recv_ring = [
+            torch.empty(recv_len, dtype=torch.uint8, device=device) for _ in range(depth if recv_len else 1)
+        ]
+    except BaseException:
+        if stager is not None:
+            stager.close()  # its host slots are page-locked: never leave them so
+        raise
     bar = _progress_bar(plan.payload_bytes, progress) if packer is not None else None
     inflight: deque[tuple[int, torch.Tensor, Any]] = deque()
     check = status.check()
