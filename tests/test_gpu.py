@@ -73,7 +73,9 @@ def _assert_equal(model: Any, ref: Any) -> None:
 
     ref_params = dict(ref.named_parameters())
     for name, p in model.named_parameters():
-        got = p.full_tensor() if hasattr(p, "full_tensor") else p
+        # One rank: the local shard is the whole tensor, on whatever device it lives (an
+        # offloaded shard on the CPU cannot go through NCCL's all-gather).
+        got = p.to_local() if hasattr(p, "to_local") else p
         want = ref_params[name]
         assert got.dtype == want.dtype and torch.equal(bit_view(got.cpu()), bit_view(want)), name
 
