@@ -109,6 +109,12 @@ class KeyMismatchError(ModelMismatchError):
         )
 
 
+class PlacementError(ModelMismatchError):
+    """A parameter's DTensor placements cannot be filled exactly (Partial, an
+    unknown placement type, a non-default shard order, or specs that differ
+    between ranks); raised on every rank before the first weight byte."""
+
+
 class TieError(StreamloadError):
     """Tied parameters are not the same object after loading."""
 

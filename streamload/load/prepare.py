@@ -20,6 +20,7 @@ from ..errors import KeyMismatchError
 from ..io._native import default_threads
 from ..io.checkpoint import Checkpoint
 from ..io.sources import Source, as_source
+from ..model.layouts import check_placements
 from ..model.mapped import MappedShards, map_shards
 from ..model.offload import materialize_offloaded, offloads_to_cpu
 from ..model.state import (
@@ -243,6 +244,9 @@ def _check_and_materialize(
         )
     # Shapes and tilings need no allocation: check them before materialising.
     validate_shapes(match.targets, local.table)
+    targets = state.targets()
+    for t in match.targets:
+        check_placements(t.name, getattr(targets[t.name], "placements", ()), len(t.shape))
     clock.mark("match")
     if is_meta(model):
         if offloads_to_cpu(model):  # FSDP2 CPU offload: the shards live on the CPU
@@ -253,7 +257,7 @@ def _check_and_materialize(
     rebind_ties(model, state.ties)
     clock.mark("materialize")
     local.tensors = [get_tensor(model, t.name) for t in match.targets]
-    local.mine = [local_placement(t) for t in local.tensors]
+    local.mine = [local_placement(x, t.name) for x, t in zip(local.tensors, match.targets, strict=True)]
     if options.quantized == "keep":
         check_kept(match.targets, [p.dtype for p in local.mine], quant, meta.table)
     mode = choice.mode

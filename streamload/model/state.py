@@ -14,10 +14,10 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from ..errors import TieError
+from ..errors import PlacementError, TieError
 from ..io.copy_ops import ST_DTYPES
 from ..plan.buckets import Placement
-from ..plan.regions import Box
+from .layouts import check_placements, local_layout
 
 
 @dataclass
@@ -125,17 +125,28 @@ def local_tensor(t: torch.Tensor) -> torch.Tensor:
     return to_local() if to_local is not None else t
 
 
-def local_placement(t: torch.Tensor) -> Placement:
-    """This rank's box of ``t`` in global coordinates, and its dtype."""
+def local_placement(t: torch.Tensor, name: str = "") -> Placement:
+    """This rank's box (or boxes) of ``t`` in global coordinates, and its dtype.
+
+    Raises PlacementError for placements that cannot be filled exactly, and
+    when torch's local shard does not have the shape the boxes imply (a
+    layout torch derives differently from ``model.layouts``).
+    """
     dtype = ST_DTYPES[t.dtype]
     if hasattr(t, "device_mesh") and hasattr(t, "placements"):
-        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
-        shape, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
-        box: Box = tuple((int(o), int(o) + int(s)) for s, o in zip(shape, offset, strict=True))
-        if any(hi - lo == 0 for lo, hi in box):
-            box = tuple((0, 0) for _ in box)
-        return Placement(box, dtype)
+        mesh, placements = t.device_mesh, tuple(t.placements)
+        check_placements(name, placements, t.dim())
+        parts, want = local_layout(tuple(t.shape), tuple(mesh.shape), placements, mesh.get_coordinate())
+        have = tuple(local_tensor(t).shape)
+        if want != have:
+            raise PlacementError(
+                f"placements {placements} on mesh {tuple(mesh.shape)}: local shard is {list(have)}, "
+                f"torch's layout semantics give {list(want)}",
+                tensor=name,
+            )
+        if len(parts) == 1:
+            return Placement(parts[0][0], dtype)
+        return Placement(tuple((0, 0) for _ in t.shape), dtype, parts)
     return Placement(tuple((0, int(s)) for s in t.shape), dtype)
 
 

@@ -38,10 +38,24 @@ class Target:
 
 @dataclass(frozen=True)
 class Placement:
-    """Where one rank holds one target: its box in global coordinates and its dtype."""
+    """Where one rank holds one target: its box in global coordinates and its dtype.
+
+    A shard that is several disjoint boxes of the target (``_StridedShard``
+    layouts) lists them in ``parts`` as (box, start inside the local shard);
+    ``box`` is then empty, so nothing that expects one box (mapped shards)
+    takes it for one.
+    """
 
     box: Box
     dtype: str  # safetensors dtype name of the rank's parameter
+    parts: tuple[tuple[Box, tuple[int, ...]], ...] = ()
+
+    @property
+    def boxes(self) -> tuple[tuple[Box, tuple[int, ...]], ...]:
+        """Every (box, local start) this rank holds; none when it holds nothing."""
+        if self.parts:
+            return self.parts
+        return ((self.box, (0,) * len(self.box)),) if box_numel(self.box) else ()
 
 
 @dataclass(frozen=True)
@@ -236,17 +250,20 @@ def build_plan(
     for t_idx, t in enumerate(targets):
         for rank in range(world):
             pl = placements[rank][t_idx]
-            if box_numel(pl.box) == 0:
+            parts = pl.boxes
+            if not parts:
                 continue
             wire = wire_dtype([source_dtypes[p.key] for p in t.pieces], pl.dtype)
             isz = ITEMSIZE[wire]
-            for sub in split_box(pl.box, isz, limit):
+            for part, part_start, sub in ((b, s, sub) for b, s in parts for sub in split_box(b, isz, limit)):
                 nbytes = box_numel(sub) * isz
                 padded = _align(nbytes)
                 if cur.total_bytes + padded > bucket_bytes:
                     buckets.append(cur)
                     cur = Bucket([[] for _ in range(world)], [0] * world)
-                local_start = tuple(s0 - b0 for (s0, _), (b0, _) in zip(sub, pl.box, strict=True))
+                local_start = tuple(
+                    ls + s0 - b0 for ls, (s0, _), (b0, _) in zip(part_start, sub, part, strict=True)
+                )
                 cur.segments[rank].append(
                     Segment(t_idx, rank, sub, local_start, wire, cur.rank_bytes[rank], nbytes)
                 )
