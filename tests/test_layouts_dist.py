@@ -39,7 +39,7 @@ def test_boxes_match_distribute_tensor(group: RankGroup) -> None:
 def test_every_2d_layout_loads_exactly(group: RankGroup, grid_ckpt: str, readers: str) -> None:
     res = group.run(cases.case_load_grid, timeout=120, ckpt=grid_ckpt, readers=readers, dtype=torch.float32)
     assert {r["mode"] for r in res} == {readers}
-    assert res[0]["buckets"] > 1
+    assert res[0]["buckets"] > 1 or readers == "owners"  # owners on CPU: one coarse bucket
 
 
 def test_every_2d_layout_loads_exactly_bf16(group: RankGroup, grid_ckpt: str) -> None:
