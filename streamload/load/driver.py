@@ -36,6 +36,7 @@ def load_checkpoint(
     readers: str | ReaderMode = "auto",
     map_files: bool = True,
     quantized: str = "dequantize",
+    unexpected: str = "error",
 ) -> LoadReport:
     """Streams a safetensors checkpoint into an FSDP2 (or plain) model.
 
@@ -71,6 +72,10 @@ def load_checkpoint(
             the fly, reading only the blocks and scale rows the shard needs, bit-exact with transformers'
             dequantization; "keep" loads the quantized values and their scales as they are into a model
             that holds them (e.g. fp8 weights and ``weight_scale_inv`` parameters, for fp8 training).
+        unexpected: "error" (the default: with ``strict``, checkpoint tensors the model does not
+            hold raise KeyMismatchError) or "ignore" (they are skipped and only listed in
+            ``LoadReport.unexpected_keys``: a pipeline stage that holds some layers loads them from
+            the whole checkpoint; a tensor the stage holds and the files lack still raises).
 
     Returns:
         A LoadReport.

@@ -53,6 +53,9 @@ DEFAULT_CPU_BUCKET_BYTES = 64 << 20
 # staged): buckets only pace the per-bucket error check.
 OWNERS_CPU_BUCKET_BYTES = 1 << 30
 
+# What to do with checkpoint tensors the model does not hold (see load_checkpoint).
+UNEXPECTED_CHOICES = ("error", "ignore")
+
 
 def default_bucket_bytes(device: torch.device) -> int:
     """Bytes per bucket when the caller does not say: 64 MiB on CPU, 256 MiB on GPUs."""
@@ -75,6 +78,7 @@ class LoadOptions:
     readers: str | ReaderMode = ReaderMode.AUTO
     map_files: bool = True
     quantized: str = "dequantize"
+    unexpected: str = "error"
 
 
 class PhaseClock:
@@ -150,6 +154,8 @@ def prepare(
     clock = PhaseClock()
     if options.slots < 1:
         raise ValueError("slots must be >= 1")
+    if options.unexpected not in UNEXPECTED_CHOICES:
+        raise ValueError(f"unexpected must be one of {UNEXPECTED_CHOICES}, not {options.unexpected!r}")
     group = resolve_group(options.process_group, options.device_mesh)
     rank = dist.get_rank() if group is not None else 0
     device = resolve_device(model, options.device_mesh, group)
@@ -233,14 +239,17 @@ def _check_and_materialize(
     local.conversion = plan_conversions(model, view, shapes)
     local.table = {**view, **local.conversion.virtual_table}
     match = local.match = match_keys(state, shapes, local.table, *ignore_patterns(model), local.conversion)
-    if options.strict and (match.missing or match.unexpected):
+    # A pipeline stage holds some layers: the checkpoint's other tensors are not its concern,
+    # but anything the stage holds and the files lack still is.
+    unexpected = match.unexpected if options.unexpected == "error" else []
+    if options.strict and (match.missing or unexpected):
         raise KeyMismatchError(
             f"{len(match.missing)} missing keys {match.missing[:20]}, "
-            f"{len(match.unexpected)} unexpected keys {match.unexpected[:20]}",
+            f"{len(unexpected)} unexpected keys {unexpected[:20]}",
             file=meta.path,
             rank=rank,
             missing=match.missing,
-            unexpected=match.unexpected,
+            unexpected=unexpected,
         )
     # Shapes and tilings need no allocation: check them before materialising.
     validate_shapes(match.targets, local.table)
