@@ -185,3 +185,23 @@ def case_refused(rank: int, world: int, *, ckpt: str, kind: str) -> str:
         assert exc.tensor == "params.1", exc.tensor
         return str(exc)
     raise AssertionError("a Partial/unknown placement loaded without error")
+
+
+def case_specs_differ(rank: int, world: int, *, ckpt: str) -> str:
+    """Ranks whose layouts disagree (one rank shards a parameter differently) all raise PlacementError."""
+    from torch.distributed.tensor import Replicate, Shard
+
+    mesh = mesh_2x2()
+    odd = (Shard(1), Replicate()) if rank == 3 else (Shard(0), Replicate())
+    net = grid_model([(8, 6), (7, 5)], [odd, (Shard(0), Shard(1))], mesh, torch.float32)
+    try:
+        streamload.load_checkpoint(
+            net,
+            ckpt if rank == 0 else "/nonexistent/streamload/ckpt",
+            device_mesh=mesh,
+            progress=False,
+            strict=False,
+        )
+    except streamload.PlacementError as exc:
+        return str(exc)
+    raise AssertionError("ranks with different layouts loaded without error")

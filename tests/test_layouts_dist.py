@@ -53,3 +53,8 @@ def test_partial_and_unknown_raise_on_every_rank(group: RankGroup, grid_ckpt: st
     for m in msgs:
         assert "params.1" in m
         assert ("Partial" in m) if kind == "partial" else ("unknown placement type" in m)
+
+
+def test_specs_that_differ_between_ranks_raise_everywhere(group: RankGroup, grid_ckpt: str) -> None:
+    msgs = group.run(cases.case_specs_differ, timeout=60, ckpt=grid_ckpt)
+    assert all("differ between ranks" in m and "[3]" in m for m in msgs), msgs

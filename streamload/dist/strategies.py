@@ -8,7 +8,6 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 import torch.distributed as dist
 
-from ..plan.buckets import build_plan
 from . import protocol
 from .protocol import StatusRoute, gather_or_raise, open_status_route
 from .readers import ReaderChoice, ReaderMode
@@ -88,7 +87,14 @@ class OwnersRead(_Routed):
     def run(self, prep: Prepared) -> StreamResult:
         return StreamResult(
             *read_owned(
-                prep.plan, prep.source, prep.shards, prep.group_rank, prep.group, prep.device, self._route
+                prep.plan,
+                prep.source,
+                prep.shards,
+                prep.group_rank,
+                prep.group,
+                prep.device,
+                self._route,
+                row=prep.plan_rank,
             )
         )
 
@@ -125,9 +131,8 @@ class NodeScatter:
         choice, group, group_rank = prep.choice, prep.group, prep.group_rank
         node = next(i for i, ranks in enumerate(choice.nodes) if group_rank in ranks)
         node_ranks, reader = choice.nodes[node], choice.node_readers[node]
-        dtypes = {k: v[0] for k, v in prep.table.items()}
-        node_placements = [prep.placements[r] for r in node_ranks]
-        node_plan = build_plan(prep.match.targets, dtypes, node_placements, prep.bucket_bytes)
+        node_plan = prep.plan  # planned over this node's ranks only (see served_ranks)
+        assert prep.served == list(node_ranks)
         failure: BaseException | None = None
         result = StreamResult(0, 0)
         try:

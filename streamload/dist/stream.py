@@ -84,27 +84,32 @@ def read_owned(
     group: dist.ProcessGroup | None,
     device: torch.device,
     status: StatusRoute | None = None,
+    row: int | None = None,
 ) -> tuple[int, int]:
     """Every rank reads its own segments; no transport. Returns (peak, bytes read).
+
+    ``row`` is this rank's row in ``plan`` when the plan covers fewer ranks
+    than the group (an owners plan is this rank's alone); default ``group_rank``.
 
     Shards on the CPU are filled straight from the files. Elsewhere bucket k is
     packed into a host slot, copied to the device on the copy stream and
     unpacked on the compute stream, while bucket k+1 is packed into the next
     slot (at least two; see ``Stager``).
     """
+    row = group_rank if row is None else row
     assert source is not None
     check = (status or open_status_route(group, device, create=False)).check()
     locals_ = shards.locals_
     packer = Packer(source, plan, locals_, shards.fallbacks, shards.skip, shards.quant)
-    bar = _progress_bar(sum(s.nbytes for b in plan.buckets for s in b.segments[group_rank]), shards.progress)
+    bar = _progress_bar(sum(s.nbytes for b in plan.buckets for s in b.segments[row]), shards.progress)
     stager: Stager | None = None
     if plan.buckets:
         # Shards on the CPU (FSDP2 offload too) are filled in place: nothing stages there.
         on_cpu = all(t.device.type == "cpu" for t in locals_)
         at = torch.device("cpu") if on_cpu else device
-        stager = open_stager(at, max(shards.slots, 2), plan.max_rank_bucket_bytes(group_rank))
+        stager = open_stager(at, max(shards.slots, 2), plan.max_rank_bucket_bytes(row))
     if stager is None:
-        plan.set_direct(group_rank)
+        plan.set_direct(row)
     failure: BaseException | None = None
     previous = None
     try:
@@ -112,13 +117,13 @@ def read_owned(
             try:
                 packer.check_source()
                 if stager is None:
-                    packer.pack(bucket, torch.empty(0, dtype=torch.uint8), only=group_rank)
+                    packer.pack(bucket, torch.empty(0, dtype=torch.uint8), only=row)
                 else:
-                    wire = packer.pack(bucket, stager.host(k), only=group_rank)
-                    unpack(bucket, group_rank, stager.push(k, wire), locals_)
+                    wire = packer.pack(bucket, stager.host(k), only=row)
+                    unpack(bucket, row, stager.push(k, wire), locals_)
                     stager.consumed(k)
                 if bar is not None:
-                    bar.update(sum(s.nbytes for s in bucket.segments[group_rank]))
+                    bar.update(sum(s.nbytes for s in bucket.segments[row]))
             except BaseException as exc:  # noqa: BLE001 - reported to every rank below
                 failure = exc
             if previous is not None and check.result(previous):

@@ -5,6 +5,9 @@ from __future__ import annotations
 import logging
 import time
 
+import torch
+import torch.distributed as dist
+
 from ..dist.strategies import StreamResult
 from ..model.state import rebind_ties
 from ..report import LoadReport
@@ -32,11 +35,19 @@ def finalize(prep: Prepared, result: StreamResult) -> LoadReport:
     for b in plan.buckets:
         for r, segs in enumerate(b.segments):
             received[r] += sum(s.nbytes for s in segs)
+    world = dist.get_world_size(prep.group) if prep.group is not None else 1
+    if len(prep.served) != world:
+        # The plan covers this rank's node (or itself) only: one integer per rank gives the rest.
+        mine = torch.tensor([received[prep.plan_rank]], dtype=torch.int64, device=prep.device)
+        every = [torch.zeros(1, dtype=torch.int64, device=prep.device) for _ in range(world)]
+        dist.all_gather(every, mine, group=prep.group)
+        received = [int(x.item()) for x in every]
+    payload = sum(received)
     readers_at = prep.choice.reader_ranks(prep.src_group_rank, len(received))
     if prep.group_rank == prep.src_group_rank:
         log.info(
             "streamload: %.2f GB in %.2f s (%d buckets; this rank read %.2f GB, mapped %.2f GB)",
-            plan.payload_bytes / 1e9,
+            payload / 1e9,
             seconds,
             len(plan.buckets),
             result.bytes_read / 1e9,
@@ -46,9 +57,9 @@ def finalize(prep: Prepared, result: StreamResult) -> LoadReport:
         bytes_read=result.bytes_read,
         bytes_mapped=mapped.nbytes,
         bytes_sent=sum(n for r, n in enumerate(received) if r not in readers_at),
-        payload_bytes=plan.payload_bytes,
+        payload_bytes=payload,
         seconds=seconds,
-        gbps=plan.payload_bytes / seconds / 1e9 if seconds > 0 else 0.0,
+        gbps=payload / seconds / 1e9 if seconds > 0 else 0.0,
         buckets=len(plan.buckets),
         bucket_bytes=prep.bucket_bytes,
         slots=prep.options.slots,

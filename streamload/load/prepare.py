@@ -16,13 +16,14 @@ from torch import nn
 from ..dist.protocol import gather_or_raise
 from ..dist.readers import ReaderChoice, ReaderMode, choose
 from ..dist.stream import Shards
-from ..errors import KeyMismatchError
+from ..errors import KeyMismatchError, PlacementError
 from ..io._native import default_threads
 from ..io.checkpoint import Checkpoint
 from ..io.sources import Source, as_source
 from ..model.layouts import check_placements
 from ..model.mapped import MappedShards, map_shards
 from ..model.offload import materialize_offloaded, offloads_to_cpu
+from ..model.specs import LayoutSpec, layout_specs, placement_for, placements_for, spec_digest
 from ..model.state import (
     ModelState,
     get_tensor,
@@ -35,7 +36,7 @@ from ..model.state import (
     record_state,
     restore_buffers,
 )
-from ..plan.buckets import Placement, Plan, build_plan, validate_dtypes, validate_shapes
+from ..plan.buckets import Bucket, Placement, Plan, build_plan, validate_dtypes, validate_shapes
 from ..plan.convert import Conversion, FallbackSources, Table, plan_conversions
 from ..plan.keys import KeyMatch, match_keys
 from ..plan.quant import QuantTensor, check_kept, quantized_view, scheme_from_config
@@ -113,12 +114,18 @@ class Prepared:
     source: Source | None  # this rank's open checkpoint, where it reads
     match: KeyMatch
     table: Table  # the reader's table plus the conversions' virtual entries
-    placements: list[list[Placement]]  # every rank's, in group-rank order
-    plan: Plan
+    placements: list[list[Placement]]  # the served ranks', in ``served`` order
+    plan: Plan  # over the served ranks: row i is group rank served[i]
     bucket_bytes: int
     shards: Shards
     mapped: MappedShards
     unrestored: list[str] = field(default_factory=list)
+    served: list[int] = field(default_factory=list)  # group ranks the plan covers (see served_ranks)
+
+    @property
+    def plan_rank(self) -> int:
+        """This rank's row in the plan."""
+        return self.served.index(self.group_rank)
 
 
 @dataclass
@@ -131,8 +138,34 @@ class _Local:
     unrestored: list[str] = field(default_factory=list)
     tensors: list[torch.Tensor] = field(default_factory=list)
     mine: list[Placement] = field(default_factory=list)
+    specs: list[LayoutSpec] = field(default_factory=list)
+    digest: str = ""
     source: Source | None = None
     quant: dict[str, QuantTensor] = field(default_factory=dict)
+
+
+def served_ranks(choice: ReaderChoice, group_rank: int, world: int) -> list[int]:
+    """The group ranks this rank plans for: every rank (``src``), its node's, or itself (``owners``).
+
+    A rank's planning cost is then its targets times these ranks, never times the world
+    size except in ``src`` mode, where one reader does serve every rank.
+    """
+    if choice.mode is ReaderMode.OWNERS:
+        return [group_rank]
+    if choice.mode is ReaderMode.NODE:
+        return list(next(ranks for ranks in choice.nodes if group_rank in ranks))
+    return list(range(world))
+
+
+def agree_bucket_count(plan: Plan, group: dist.ProcessGroup | None, device: torch.device) -> None:
+    """Pads ``plan`` with empty buckets to the most any rank has: owners plans are per rank,
+    and every rank must take part in the same number of per-bucket checks."""
+    if group is None or dist.get_world_size(group) == 1:
+        return
+    n = torch.tensor([len(plan.buckets)], dtype=torch.int64, device=device)
+    dist.all_reduce(n, op=dist.ReduceOp.MAX, group=group)
+    while len(plan.buckets) < int(n.item()):
+        plan.buckets.append(Bucket([[] for _ in range(plan.world_size)], [0] * plan.world_size))
 
 
 def prepare(
@@ -180,16 +213,30 @@ def prepare(
         )
     except BaseException as exc:  # noqa: BLE001 - reported to every rank, then re-raised
         error = exc
-    placements = gather_or_raise(local.mine, error, rank, group, device)
+    # One short digest per rank, not every rank's placements: each rank derives the
+    # placements it plans for from the specs it holds itself.
+    digests = gather_or_raise(local.digest, error, rank, group, device)
+    if len(set(digests)) > 1:
+        differ = [r for r, d in enumerate(digests) if d != digests[0]]
+        raise PlacementError(
+            f"the model's parameter layouts (names, shapes, dtypes, meshes, placements) differ between ranks: "
+            f"group ranks {differ[:20]} differ from rank 0",
+            rank=rank,
+        )
     assert local.match is not None and local.conversion is not None
-    validate_dtypes(local.match.targets, local.table, placements)
     bucket_bytes = options.bucket_bytes or default_bucket_bytes(device)
     if choice.mode is ReaderMode.OWNERS and device.type == "cpu":
         # Every rank fills its shards in place: no staging, no wire. A bucket is
         # then only the stride of the error check, and a coarse one costs less.
         bucket_bytes = max(bucket_bytes, OWNERS_CPU_BUCKET_BYTES)
+    served = served_ranks(choice, group_rank, dist.get_world_size(group) if group is not None else 1)
+    glob = [dist.get_global_rank(group, r) for r in served] if group is not None else [rank]
+    placements = placements_for(local.specs, glob)
+    validate_dtypes(local.match.targets, local.table, placements)
     dtypes = {k: v[0] for k, v in local.table.items()}
     plan = build_plan(local.match.targets, dtypes, placements, bucket_bytes)
+    if choice.mode is ReaderMode.OWNERS:
+        agree_bucket_count(plan, group, device)
     if rank == src_rank and meta.tie_conflicts:
         warnings.warn(
             f"streamload: checkpoint holds tied tensors with different values: {meta.tie_conflicts}; "
@@ -200,7 +247,7 @@ def prepare(
     mapped = MappedShards()
     ckpt = local.source
     if options.map_files and device.type == "cpu" and isinstance(ckpt, Checkpoint) and local.mine:
-        if group_rank in choice.reader_ranks(src_group_rank, plan.world_size):
+        if group_rank in choice.reader_ranks(src_group_rank, len(digests)):
             mapped = map_shards(
                 plan.targets, [p.box for p in local.mine], local.tensors, locals_, ckpt, model
             )
@@ -209,7 +256,7 @@ def prepare(
     shards = Shards(locals_, fallbacks, options.slots, options.progress, mapped.targets, local.quant)
     return Prepared(
         model, options, clock, state, group, device, rank, group_rank, src_group_rank, choice, meta, ckpt,
-        local.match, local.table, placements, plan, bucket_bytes, shards, mapped, local.unrestored,
+        local.match, local.table, placements, plan, bucket_bytes, shards, mapped, local.unrestored, served,
     )  # fmt: skip
 
 
@@ -269,6 +316,16 @@ def _check_and_materialize(
     local.mine = [local_placement(x, t.name) for x, t in zip(local.tensors, match.targets, strict=True)]
     if options.quantized == "keep":
         check_kept(match.targets, [p.dtype for p in local.mine], quant, meta.table)
+    local.specs = layout_specs(local.tensors)
+    me = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+    for t, spec, own in zip(match.targets, local.specs, local.mine, strict=True):
+        # What any rank derives for this one from the spec must be what this rank holds.
+        if placement_for(spec, me) != own:
+            raise PlacementError(
+                f"placements {spec.placements}: the layout derived from the spec differs from this rank's shard",
+                tensor=t.name,
+            )
+    local.digest = spec_digest([t.name for t in match.targets], local.specs)
     mode = choice.mode
     reads = mode is ReaderMode.OWNERS or (mode is ReaderMode.NODE and group_rank in choice.node_readers)
     if reads and local.source is None:
