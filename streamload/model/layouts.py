@@ -155,6 +155,13 @@ def local_layout(
 ) -> tuple[tuple[Part, ...], tuple[int, ...]]:
     """``local_parts`` and the local shard's shape (which keeps unsharded sizes when it is empty).
 
+    Args:
+        shape, mesh_shape, placements, coord: as for ``local_parts``.
+
+    Returns:
+        (parts, local shape): the boxes with their local starts, and the shape
+        torch's ``to_local()`` has on that coordinate.
+
     Example:
         >>> local_layout((1, 3), (2, 2), (Shard(0), Shard(0)), (1, 0))
         ((), (0, 3))

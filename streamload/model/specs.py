@@ -69,6 +69,12 @@ class LayoutSpec:
 def layout_specs(tensors: Sequence[torch.Tensor]) -> list[LayoutSpec]:
     """The spec of each tensor (DTensor or plain); meshes are converted once each.
 
+    Args:
+        tensors: the targets' tensors as the model holds them.
+
+    Returns:
+        One LayoutSpec per tensor; tensors on one mesh share its MeshInfo.
+
     Example:
         >>> specs = layout_specs([get_tensor(model, t.name) for t in targets])
     """
@@ -107,6 +113,13 @@ def sibling_ranks(mesh: Any) -> tuple[int, ...]:
 def placement_for(spec: LayoutSpec, rank: int) -> Placement:
     """Where global ``rank`` holds the target of ``spec`` (see ``local_placement`` for its own).
 
+    Args:
+        spec: the target's layout spec.
+        rank: a global rank.
+
+    Returns:
+        Its Placement: one box, several (``parts``), or none when it holds nothing.
+
     Example:
         >>> placement_for(spec, 8191).boxes
     """
@@ -121,6 +134,13 @@ def placement_for(spec: LayoutSpec, rank: int) -> Placement:
 def placements_for(specs: Sequence[LayoutSpec], ranks: Sequence[int]) -> list[list[Placement]]:
     """placements[i][target] for each global rank in ``ranks``: the rows of a plan over them.
 
+    Args:
+        specs: every target's spec, in plan order.
+        ranks: the global ranks to place, in plan-row order.
+
+    Returns:
+        One list of Placements per rank.
+
     Example:
         >>> plan = build_plan(targets, dtypes, placements_for(specs, node_ranks), bucket_bytes)
     """
@@ -128,7 +148,18 @@ def placements_for(specs: Sequence[LayoutSpec], ranks: Sequence[int]) -> list[li
 
 
 def spec_digest(names: Sequence[str], specs: Sequence[LayoutSpec]) -> str:
-    """A short hash of every target's name and spec: equal on all ranks when their layouts agree."""
+    """A short hash of every target's name and spec: equal on all ranks when their layouts agree.
+
+    Args:
+        names: the targets' names.
+        specs: their specs, in the same order.
+
+    Returns:
+        32 hex characters.
+
+    Example:
+        >>> digests = all_gather_object(spec_digest(names, specs))  # one short string per rank
+    """
     h = hashlib.sha256()
     seen: dict[int, str] = {}
     for name, s in zip(names, specs, strict=True):
