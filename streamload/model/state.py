@@ -18,6 +18,7 @@ from ..errors import TieError
 from ..io.copy_ops import ST_DTYPES
 from ..plan.buckets import Placement
 from ..plan.regions import Box
+from .hf import init_buffers_like_from_pretrained
 
 
 @dataclass
@@ -148,9 +149,10 @@ def materialize(model: nn.Module, device: torch.device) -> None:
 def restore_buffers(model: nn.Module, state: ModelState) -> list[str]:
     """Puts non-persistent buffers back after ``to_empty()``.
 
-    Buffers that had real values are copied back; buffers built on meta are
-    recomputed by transformers' own ``_init_weights`` (rotary ``inv_freq``
-    and the like) on modules without parameters of their own.
+    Buffers that had real values are copied back; on a transformers model
+    every non-persistent buffer is then recomputed as its ``from_pretrained``
+    does (``init_buffers_like_from_pretrained``); elsewhere buffers built on
+    meta are recomputed by ``_init_weights`` on modules without parameters.
 
     Returns:
         Names of non-persistent buffers that could not be restored.
@@ -162,6 +164,8 @@ def restore_buffers(model: nn.Module, state: ModelState) -> list[str]:
         if buf is not None:
             buf.copy_(value.to(buf.device))
     unrestored: list[str] = []
+    # transformers models: every non-persistent buffer as from_pretrained computes it.
+    hf_done = init_buffers_like_from_pretrained(model)
     init = getattr(model, "_init_weights", None)
     done: set[str] = set()
     for name in state.meta_buffers:
@@ -170,7 +174,8 @@ def restore_buffers(model: nn.Module, state: ModelState) -> list[str]:
         if mod_name in done:
             continue
         if init is not None and not list(mod.parameters(recurse=False)):
-            init(mod)
+            if not hf_done:
+                init(mod)
             done.add(mod_name)
         else:
             unrestored.append(name)

@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from ..io.copy_ops import TORCH_DTYPES
+from ..model.hf import unsharded_classes
 from .regions import SourcePiece, identity_piece, regions_for_box
 
 # The checkpoint's tensor table as every rank receives it: key -> (dtype, shape, file).
@@ -211,7 +212,9 @@ def _weight_mapping(model: nn.Module) -> list[Any]:
         return []
     if not isinstance(model, PreTrainedModel):
         return []
-    return get_model_conversion_mapping(model)
+    # Looked up on the classes transformers registered, not fully_shard's subclasses.
+    with unsharded_classes(model):
+        return get_model_conversion_mapping(model)
 
 
 def _output_name(layer_name: str, key: str) -> str:

@@ -1,0 +1,284 @@
+"""Tiny random checkpoints of every causal-LM architecture transformers registers.
+
+The sweep (``tests/test_arch_sweep.py``, ``benchmarks/arch_sweep.py``) shrinks
+each registered config generically, writes a random model with transformers'
+own ``save_pretrained`` and first checks that transformers itself round-trips
+it: an architecture transformers cannot reload bit for bit is skipped with
+that reason, never counted against streamload.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import warnings
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from .synthetic import randomize_
+
+# Generic sizes, by the attribute names transformers' configs use for them.
+LAYERS = 2
+_SIZES: dict[str, int] = {
+    **dict.fromkeys(("hidden_size", "n_embd", "d_model", "n_embed", "embed_dim", "dim", "model_dim"), 32),
+    **dict.fromkeys(
+        ("num_attention_heads", "n_head", "n_heads", "num_heads", "decoder_attention_heads",
+         "encoder_attention_heads", "attention_heads"),
+        4,
+    ),  # fmt: skip
+    **dict.fromkeys(("num_key_value_heads", "num_kv_heads", "n_kv_heads", "multi_query_group_num"), 2),
+    **dict.fromkeys(("head_dim", "attention_head_dim", "kv_channels"), 8),
+    **dict.fromkeys(
+        ("intermediate_size", "ffn_dim", "n_inner", "decoder_ffn_dim", "encoder_ffn_dim", "ffn_hidden_size",
+         "d_ff", "inner_dim", "mlp_dim", "hidden_dim"),
+        64,
+    ),  # fmt: skip
+    **dict.fromkeys(
+        ("moe_intermediate_size", "expert_intermediate_size", "shared_expert_intermediate_size",
+         "moe_ffn_hidden_size", "moe_hidden_size"),
+        16,
+    ),  # fmt: skip
+    **dict.fromkeys(("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts"), 4),
+    **dict.fromkeys(("num_experts_per_tok", "moe_topk", "top_k", "num_selected_experts"), 2),
+    **dict.fromkeys(("vocab_size",), 128),
+    **dict.fromkeys(("max_position_embeddings", "n_positions", "n_ctx", "max_seq_len"), 64),
+    **dict.fromkeys(("q_lora_rank",), 16),
+    **dict.fromkeys(("kv_lora_rank",), 8),
+    **dict.fromkeys(("qk_rope_head_dim", "qk_nope_head_dim"), 4),
+    **dict.fromkeys(("v_head_dim",), 8),
+}
+_LAYER_KEYS = (
+    "num_hidden_layers", "num_layers", "n_layer", "n_layers", "num_decoder_layers", "decoder_layers",
+    "encoder_layers", "num_encoder_layers",
+)  # fmt: skip
+_TOKEN_IDS = ("pad_token_id", "bos_token_id", "eos_token_id", "decoder_start_token_id", "sep_token_id")
+# Shrunk models above this many parameters are not "tiny": the config resisted shrinking.
+MAX_PARAMS = 4_000_000
+
+
+class Skip(Exception):
+    """An architecture the sweep cannot try, with the reason."""
+
+
+@dataclass
+class Built:
+    """A saved tiny checkpoint of one architecture."""
+
+    model_type: str
+    path: Path
+    params: int
+
+
+def causal_lm_types() -> list[str]:
+    """Every model type transformers registers for ``AutoModelForCausalLM``.
+
+    Returns:
+        The model types, in transformers' registration order.
+
+    Example:
+        >>> "llama" in causal_lm_types()
+        True
+    """
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    return list(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
+
+
+def _shrink_dict(d: dict[str, Any], layers: int) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    old_layers = next((d[k] for k in _LAYER_KEYS if isinstance(d.get(k), int)), None)
+    for key, value in d.items():
+        if isinstance(value, dict) and key.endswith("config"):
+            out[key] = _shrink_dict(value, layers)
+        elif key in _LAYER_KEYS and isinstance(value, int):
+            out[key] = min(value, layers)
+        elif key in _SIZES and isinstance(value, int) and not isinstance(value, bool):
+            out[key] = min(value, _SIZES[key])
+        elif (
+            isinstance(value, list)
+            and old_layers is not None
+            and len(value) == old_layers
+            and old_layers > layers
+        ):
+            # Per-layer lists (layer_types, block patterns) follow the layer count.
+            out[key] = value[:layers]
+        elif isinstance(value, str) and old_layers is not None and len(value) == old_layers > layers:
+            out[key] = value[:layers]  # per-layer pattern strings (e.g. "M*M-")
+        else:
+            out[key] = value
+    vocab = out.get("vocab_size")
+    if isinstance(vocab, int):
+        for key in _TOKEN_IDS:
+            tok = out.get(key)
+            if isinstance(tok, int) and tok >= vocab:
+                out[key] = vocab - 1 - _TOKEN_IDS.index(key)
+            elif isinstance(tok, list):
+                out[key] = [t if t < vocab else vocab - 1 for t in tok if isinstance(t, int)]
+    return out
+
+
+def shrink_config(model_type: str, layers: int = LAYERS) -> Any:
+    """The default config of ``model_type`` with every size made tiny.
+
+    Args:
+        model_type: a transformers model type.
+        layers: decoder layers to keep (per-layer lists are cut to match).
+
+    Returns:
+        The shrunk config (raises Skip when it cannot be built).
+
+    Example:
+        >>> shrink_config("llama").hidden_size
+        32
+    """
+    from transformers import AutoConfig
+
+    try:
+        base = AutoConfig.for_model(model_type)
+    except Exception as exc:  # noqa: BLE001 - a config class that needs arguments is a skip
+        raise Skip(f"default config does not build: {type(exc).__name__}: {exc}") from exc
+    d = _shrink_dict(base.to_dict(), layers)
+    d.pop("model_type", None)
+    d.pop("transformers_version", None)
+    d.pop("architectures", None)
+    try:
+        return type(base).from_dict(d)
+    except Exception as exc:  # noqa: BLE001
+        raise Skip(f"shrunk config does not build: {type(exc).__name__}: {exc}") from exc
+
+
+@contextlib.contextmanager
+def _quiet() -> Iterator[None]:
+    with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()):
+        warnings.simplefilter("ignore")
+        yield
+
+
+def _params(model: nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())
+
+
+def differing(model: nn.Module, ref: nn.Module) -> list[str]:
+    """Names of parameters and buffers of ``model`` whose bytes differ from ``ref``'s.
+
+    DTensor parameters are compared as their ``full_tensor()``; a name only
+    one side has counts as differing.
+
+    Args:
+        model: the model under test.
+        ref: the reference (e.g. transformers' ``from_pretrained``).
+
+    Returns:
+        The differing names (buffers prefixed ``buffer``).
+
+    Example:
+        >>> differing(loaded, reference) == []
+        True
+    """
+    from ..io.copy_ops import bit_view
+
+    def full(t: torch.Tensor) -> torch.Tensor:
+        to_full = getattr(t, "full_tensor", None)
+        return to_full() if to_full is not None else t
+
+    bad = []
+    for kind, mine, theirs in (
+        ("", dict(model.named_parameters()), dict(ref.named_parameters())),
+        ("buffer ", dict(model.named_buffers()), dict(ref.named_buffers())),
+    ):
+        for name in sorted(set(mine) | set(theirs)):
+            if name not in mine or name not in theirs:
+                bad.append(f"{kind}{name} (only one side has it)")
+                continue
+            a, b = full(mine[name]).detach(), theirs[name].detach()
+            if a.dtype != b.dtype or a.shape != b.shape or not torch.equal(bit_view(a), bit_view(b)):
+                bad.append(f"{kind}{name}")
+    return bad
+
+
+def alias_groups(model: nn.Module) -> list[list[str]]:
+    """Parameter names that are one object, as sorted groups of two or more.
+
+    Example:
+        >>> alias_groups(tied_model)
+        [['lm_head.weight', 'model.embed_tokens.weight']]
+    """
+    by_id: dict[int, list[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        by_id.setdefault(id(p), []).append(name)
+    return sorted(sorted(g) for g in by_id.values() if len(g) > 1)
+
+
+def build_checkpoint(
+    model_type: str, out_dir: str | Path, seed: int = 0, dtype: torch.dtype = torch.bfloat16
+) -> Built:
+    """Writes a tiny random ``model_type`` model with ``save_pretrained``, checked to round-trip.
+
+    Every parameter and floating persistent buffer is random; the model is
+    saved in ``dtype`` (bfloat16 by default, as most checkpoints are) and transformers' own ``from_pretrained`` must give it
+    back bit for bit, else the architecture is skipped with that reason.
+
+    Args:
+        model_type: a causal-LM model type.
+        out_dir: the checkpoint directory (created).
+        seed: random seed.
+        dtype: the dtype the model is built and saved in.
+
+    Returns:
+        The Built checkpoint (raises Skip with the reason).
+
+    Example:
+        >>> build_checkpoint("codegen", "/tmp/codegen").params > 0
+        True
+    """
+    from transformers import AutoModelForCausalLM
+
+    cfg = shrink_config(model_type)
+    cfg.dtype = dtype
+    from accelerate import init_empty_weights
+
+    try:
+        # Counted on meta first: a config that resisted shrinking must not allocate.
+        with _quiet(), init_empty_weights():
+            n = _params(AutoModelForCausalLM.from_config(cfg, dtype=dtype))
+    except Exception as exc:  # noqa: BLE001
+        raise Skip(f"model does not build from the shrunk config: {type(exc).__name__}: {exc}") from exc
+    if n > MAX_PARAMS:
+        raise Skip(f"config does not shrink generically ({n:,} parameters after shrinking)")
+    try:
+        with _quiet():
+            torch.manual_seed(seed)
+            model = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
+    except Exception as exc:  # noqa: BLE001
+        raise Skip(f"model does not build from the shrunk config: {type(exc).__name__}: {exc}") from exc
+    randomize_(model, seed)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    try:
+        with _quiet():
+            model.save_pretrained(out)
+            ref = AutoModelForCausalLM.from_pretrained(out, dtype=dtype)
+    except Exception as exc:  # noqa: BLE001
+        raise Skip(f"transformers cannot save and reload it: {type(exc).__name__}: {exc}") from exc
+    # Non-persistent buffers are not in the files: the reference for them is
+    # from_pretrained itself, so the round trip is judged on the state dict.
+    from ..io.copy_ops import bit_view
+
+    mine, theirs = model.state_dict(), ref.state_dict()
+    bad = sorted(
+        k
+        for k in set(mine) | set(theirs)
+        if k not in mine
+        or k not in theirs
+        or mine[k].dtype != theirs[k].dtype
+        or mine[k].shape != theirs[k].shape
+        or not torch.equal(bit_view(mine[k]), bit_view(theirs[k]))
+    )
+    if bad:
+        raise Skip(f"transformers' own save_pretrained -> from_pretrained changes {bad[:3]}")
+    return Built(model_type, out, n)
