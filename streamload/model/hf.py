@@ -59,8 +59,21 @@ def unsharded_classes(model: nn.Module) -> Iterator[nn.Module]:
             mod.__class__ = cls
 
 
+def _owners(model: nn.Module) -> Iterator[tuple[nn.Module, nn.Module]]:
+    """(module, the PreTrainedModel whose ``_initialize_weights`` transformers applies to it)."""
+    from transformers.modeling_utils import PreTrainedModel
+
+    # As initialize_weights' smart_apply: a sub-model dispatches its own init to its subtree.
+    def walk(mod: nn.Module, owner: nn.Module) -> Iterator[tuple[nn.Module, nn.Module]]:
+        for child in mod.children():
+            yield from walk(child, child if isinstance(child, PreTrainedModel) else owner)
+        yield mod, owner
+
+    yield from walk(model, model)
+
+
 @torch.no_grad()
-def init_buffers_like_from_pretrained(model: nn.Module) -> bool:
+def init_buffers_like_from_pretrained(model: nn.Module) -> list[str] | None:
     """Recomputes non-persistent buffers exactly as transformers' ``from_pretrained`` does.
 
     ``from_pretrained`` builds the model on meta (under the load dtype), gives
@@ -68,33 +81,47 @@ def init_buffers_like_from_pretrained(model: nn.Module) -> bool:
     ``initialize_weights`` after the dtype context has closed, skipping every
     tensor flagged ``_is_hf_initialized`` (the loaded ones). Buffers computed
     in ``__init__`` under the load dtype can differ (codegen's
-    ``embed_positions`` in bfloat16), so the same call is made here, with
-    every parameter and persistent buffer flagged: only non-persistent
-    buffers are written. Call it before the weights stream, so that an
-    ``_init_weights`` that writes a parameter anyway is overwritten by the load.
+    ``embed_positions`` in bfloat16), so the same init is applied here, with
+    the same dispatch, to the modules that own non-persistent buffers, every
+    parameter and persistent buffer flagged so that only those buffers are
+    written. Modules without such buffers are not visited: their init may
+    compute with (sharded) parameters it would not write anyway.
 
     Args:
         model: a materialised transformers model (sharded or not).
 
     Returns:
-        False when ``model`` is not a transformers ``PreTrainedModel`` (nothing done).
+        None when ``model`` is not a transformers ``PreTrainedModel`` (nothing
+        done), else the buffers whose module's init raised (left as built).
 
     Example:
         >>> init_buffers_like_from_pretrained(model)
-        True
+        []
     """
     try:
+        from transformers import initialization as hf_init
         from transformers.modeling_utils import PreTrainedModel
     except ImportError:
-        return False
+        return None
     if not isinstance(model, PreTrainedModel):
-        return False
+        return None
     for _, p in model.named_parameters(remove_duplicate=False):
         p._is_hf_initialized = True  # type: ignore[attr-defined]
     for mod in model.modules():
         for name, buf in mod._buffers.items():
             if buf is not None and name not in mod._non_persistent_buffers_set:
                 buf._is_hf_initialized = True  # type: ignore[attr-defined]
-    with unsharded_classes(model):
-        model.initialize_weights()
-    return True
+    failed: list[str] = []
+    names = {id(m): n for n, m in model.named_modules()}
+    with unsharded_classes(model), hf_init.guard_torch_init_functions():
+        custom = model.is_custom_code()
+        for mod, owner in _owners(model):
+            own = [b for b in mod._non_persistent_buffers_set if mod._buffers.get(b) is not None]
+            if not own:
+                continue
+            try:
+                owner._initialize_weights(mod, custom)  # type: ignore[operator]
+            except Exception:  # noqa: BLE001 - reported as unrestored: the buffers keep their built values
+                prefix = names[id(mod)]
+                failed.extend(f"{prefix}.{b}" if prefix else b for b in sorted(own))
+    return failed

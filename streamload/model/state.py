@@ -163,25 +163,24 @@ def restore_buffers(model: nn.Module, state: ModelState) -> list[str]:
         buf = modules[mod_name]._buffers[attr]
         if buf is not None:
             buf.copy_(value.to(buf.device))
-    unrestored: list[str] = []
     # transformers models: every non-persistent buffer as from_pretrained computes it.
-    hf_done = init_buffers_like_from_pretrained(model)
+    hf_failed = init_buffers_like_from_pretrained(model)
+    unrestored: list[str] = list(hf_failed or [])
     init = getattr(model, "_init_weights", None)
     done: set[str] = set()
-    for name in state.meta_buffers:
+    for name in state.meta_buffers if hf_failed is None else []:
         mod_name, _ = _split(name)
         mod = modules[mod_name]
         if mod_name in done:
             continue
         if init is not None and not list(mod.parameters(recurse=False)):
-            if not hf_done:
-                init(mod)
+            init(mod)
             done.add(mod_name)
         else:
             unrestored.append(name)
     if unrestored:
         warnings.warn(
-            f"streamload: non-persistent buffers built on meta cannot be recomputed: {unrestored}; "
+            f"streamload: non-persistent buffers could not be recomputed: {unrestored}; "
             "build the model with real buffers (e.g. accelerate.init_empty_weights()) to keep them",
             stacklevel=3,
         )
