@@ -66,12 +66,8 @@ def _declared_ties(model: nn.Module) -> dict[str, str]:
     get = getattr(model, "get_expanded_tied_weights_keys", None)
     if get is None:
         return {}
-    config = getattr(model, "config", None)
-    if config is not None and hasattr(config, "get_text_config"):
-        if not getattr(
-            config.get_text_config(), "tie_word_embeddings", getattr(config, "tie_word_embeddings", True)
-        ):
-            return {}
+    # transformers' helper reads each sub-model's own config.tie_word_embeddings
+    # (a composite model's may differ from its text config's): ask it alone.
     try:
         return dict(get(all_submodels=True))
     except Exception:  # noqa: BLE001 - a model's own helper failing must not stop a load
