@@ -45,7 +45,21 @@ _SIZES: dict[str, int] = {
     ),  # fmt: skip
     **dict.fromkeys(("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts"), 4),
     **dict.fromkeys(("num_experts_per_tok", "moe_topk", "top_k", "num_selected_experts"), 2),
-    **dict.fromkeys(("vocab_size",), 128),
+    **dict.fromkeys(
+        ("vocab_size", "shape_vocab_size", "pronunciation_vocab_size", "encoder_hash_byte_group_vocab"), 128
+    ),
+    **dict.fromkeys(
+        ("emb_dim", "hidden_size_global", "lru_width", "pronunciation_embed_dim", "shape_embed_dim",
+         "expert_ffn_hidden_size"),
+        32,
+    ),  # fmt: skip
+    **dict.fromkeys(("d_head", "swa_head_dim"), 8),
+    **dict.fromkeys(("zero_expert_num",), 2),
+    **dict.fromkeys(("mamba_n_heads",), 4),
+    **dict.fromkeys(("mamba_d_head",), 16),
+    **dict.fromkeys(("mamba_d_state", "state_size"), 16),
+    **dict.fromkeys(("vocab_size_per_layer_input",), 128),
+    **dict.fromkeys(("hidden_size_per_layer_input",), 8),
     **dict.fromkeys(("max_position_embeddings", "n_positions", "n_ctx", "max_seq_len"), 64),
     **dict.fromkeys(("q_lora_rank",), 16),
     **dict.fromkeys(("kv_lora_rank",), 8),
@@ -56,9 +70,15 @@ _LAYER_KEYS = (
     "num_hidden_layers", "num_layers", "n_layer", "n_layers", "num_decoder_layers", "decoder_layers",
     "encoder_layers", "num_encoder_layers",
 )  # fmt: skip
+# Sizes some default configs leave None (their models do not build without them).
+_FILL_NONE: dict[str, int] = dict(
+    head_dim=8, num_key_value_heads=2, n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1
+)
+# Layer lists keep a prefix holding every kind of layer (a hybrid needs its attention layer), up to this.
+MAX_LAYERS = 8
 _TOKEN_IDS = ("pad_token_id", "bos_token_id", "eos_token_id", "decoder_start_token_id", "sep_token_id")
 # Shrunk models above this many parameters are not "tiny": the config resisted shrinking.
-MAX_PARAMS = 4_000_000
+MAX_PARAMS = 10_000_000
 
 
 class Skip(Exception):
@@ -89,26 +109,48 @@ def causal_lm_types() -> list[str]:
     return list(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
 
 
+def _per_layer(key: str, value: Any, old_layers: int | None) -> bool:
+    """A per-layer list or pattern string (layer_types, "M*M-")."""
+    if old_layers is None or old_layers <= 1:
+        return False
+    if isinstance(value, list):
+        return len(value) == old_layers
+    return isinstance(value, str) and "pattern" in key and len(value) == old_layers
+
+
+def _layers_needed(d: dict[str, Any], old_layers: int | None, layers: int) -> int:
+    """The fewest layers (at least ``layers``) whose prefix of every per-layer list holds each kind."""
+    need = layers
+    for key, value in d.items():
+        if _per_layer(key, value, old_layers):
+            try:
+                firsts = {v: i for i, v in reversed(list(enumerate(value)))}
+            except TypeError:  # unhashable entries: not a list of layer kinds
+                continue
+            need = max(need, max(firsts.values()) + 1)
+    return min(need, MAX_LAYERS, old_layers or need)
+
+
 def _shrink_dict(d: dict[str, Any], layers: int) -> dict[str, Any]:
     out: dict[str, Any] = {}
     old_layers = next((d[k] for k in _LAYER_KEYS if isinstance(d.get(k), int)), None)
+    n = _layers_needed(d, old_layers, layers)
     for key, value in d.items():
-        if isinstance(value, dict) and key.endswith("config"):
+        if isinstance(value, dict) and value and all(isinstance(k, int) or str(k).isdigit() for k in value):
+            # Per-layer overrides keyed by layer index (per_layer_config).
+            out[key] = {
+                k: _shrink_dict(v, layers) if isinstance(v, dict) else v for k, v in value.items() if int(k) < n
+            }
+        elif isinstance(value, dict) and key.endswith("config"):
             out[key] = _shrink_dict(value, layers)
         elif key in _LAYER_KEYS and isinstance(value, int):
-            out[key] = min(value, layers)
+            out[key] = min(value, n)
         elif key in _SIZES and isinstance(value, int) and not isinstance(value, bool):
             out[key] = min(value, _SIZES[key])
-        elif (
-            isinstance(value, list)
-            and old_layers is not None
-            and len(value) == old_layers
-            and old_layers > layers
-        ):
-            # Per-layer lists (layer_types, block patterns) follow the layer count.
-            out[key] = value[:layers]
-        elif isinstance(value, str) and old_layers is not None and len(value) == old_layers > layers:
-            out[key] = value[:layers]  # per-layer pattern strings (e.g. "M*M-")
+        elif key in _FILL_NONE and value is None:
+            out[key] = _FILL_NONE[key]
+        elif _per_layer(key, value, old_layers) and old_layers is not None and old_layers > n:
+            out[key] = value[:n]  # per-layer lists follow the layer count
         else:
             out[key] = value
     vocab = out.get("vocab_size")
@@ -119,7 +161,23 @@ def _shrink_dict(d: dict[str, Any], layers: int) -> dict[str, Any]:
                 out[key] = vocab - 1 - _TOKEN_IDS.index(key)
             elif isinstance(tok, list):
                 out[key] = [t if t < vocab else vocab - 1 for t in tok if isinstance(t, int)]
+    if d.get("num_key_value_heads") == d.get("num_attention_heads") and "num_attention_heads" in out:
+        out["num_key_value_heads"] = out["num_attention_heads"]  # multi-head attention stays so
+    _agree(out, n)
+    if "is_decoder" in out:
+        out["is_decoder"] = True  # the causal-LM head of an encoder family is its decoder use
     return out
+
+
+def _agree(d: dict[str, Any], n: int) -> None:
+    """Restores the relations some configs validate between the sizes just shrunk."""
+    if all(isinstance(d.get(k), int) for k in ("expand", "num_heads", "head_dim", "hidden_size")):
+        d["num_heads"] = d["hidden_size"] * d["expand"] // d["head_dim"]  # mamba2: heads x head_dim = inner
+    parts = ("n_input_layers", "n_recurrent_layers", "n_output_layers")
+    if all(isinstance(d.get(k), int) for k in parts) and n >= 3:
+        d.update(n_input_layers=1, n_recurrent_layers=n - 2, n_output_layers=1)  # they must sum to the layers
+    if isinstance(d.get("num_kv_shared_layers"), int):
+        d["num_kv_shared_layers"] = min(d["num_kv_shared_layers"], n // 2)
 
 
 def shrink_config(model_type: str, layers: int = LAYERS) -> Any:
