@@ -61,9 +61,14 @@ def sweep(
     ws: int = 2,
     timeout: float = 120.0,
     on_result: Callable[[Outcome], None] | None = None,
+    group: RankGroup | None = None,
 ) -> list[Outcome]:
-    """Builds, saves and loads each architecture at ``ws`` ranks; returns every outcome."""
-    group: RankGroup | None = None
+    """Builds, saves and loads each architecture at ``ws`` ranks; returns every outcome.
+
+    ``group`` (at least ``ws`` ranks) is used and left open; without one, or
+    once a hang has killed it, the sweep starts its own and closes it.
+    """
+    given = group
     out: list[Outcome] = []
     try:
         for mt in model_types:
@@ -89,7 +94,7 @@ def sweep(
             if on_result is not None:
                 on_result(res)
     finally:
-        if group is not None:
+        if group is not None and group is not given:
             group.close()
     return out
 

@@ -32,3 +32,30 @@ def case_arch(rank: int, world: int, *, ckpt: str, ws: int) -> dict | None:
         "ref_aliases": theirs,
         "params": sum(p.numel() for p in ref.parameters()),
     }
+
+
+def case_unsharded_classes(rank: int, world: int, *, ckpt: str, ws: int) -> dict | None:
+    """fully_shard's class swap, seen through unsharded_classes: transformers finds
+    the model's conversion mapping on the sharded model as on the plain one."""
+    from transformers.conversion_mapping import get_model_conversion_mapping
+
+    from streamload.integrations.pretrained import default_shard_fn, meta_model
+    from streamload.model.hf import unsharded_class, unsharded_classes
+
+    mesh = cases.mesh_for(ws)
+    if mesh is None:
+        return None
+    model = meta_model(ckpt)
+    plain_cls = type(model)
+    plain = [repr(m) for m in get_model_conversion_mapping(model)]
+    default_shard_fn(model, mesh)
+    sharded_cls = type(model)
+    # If torch stops swapping classes this fails, and unsharded_classes may be dropped.
+    assert sharded_cls is not plain_cls and issubclass(sharded_cls, plain_cls)
+    assert unsharded_class(model) is plain_cls
+    with unsharded_classes(model):
+        assert type(model) is plain_cls
+        inside = [repr(m) for m in get_model_conversion_mapping(model)]
+    assert type(model) is sharded_cls
+    bare = [repr(m) for m in get_model_conversion_mapping(model)]
+    return {"plain": plain, "inside": inside, "bare": bare}

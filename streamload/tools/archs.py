@@ -58,7 +58,7 @@ _SIZES: dict[str, int] = {
     **dict.fromkeys(("mamba_n_heads",), 4),
     **dict.fromkeys(("mamba_d_head",), 16),
     **dict.fromkeys(("mamba_d_state", "state_size"), 16),
-    **dict.fromkeys(("vocab_size_per_layer_input",), 128),
+    **dict.fromkeys(("vocab_size_per_layer_input", "unpadded_vocab_size"), 128),
     **dict.fromkeys(("hidden_size_per_layer_input",), 8),
     **dict.fromkeys(("max_position_embeddings", "n_positions", "n_ctx", "max_seq_len"), 64),
     **dict.fromkeys(("q_lora_rank",), 16),
@@ -131,18 +131,18 @@ def _layers_needed(d: dict[str, Any], old_layers: int | None, layers: int) -> in
     return min(need, MAX_LAYERS, old_layers or need)
 
 
-def _shrink_dict(d: dict[str, Any], layers: int) -> dict[str, Any]:
+def _shrink_dict(d: dict[str, Any], layers: int, keep_kinds: bool = True) -> dict[str, Any]:
     out: dict[str, Any] = {}
     old_layers = next((d[k] for k in _LAYER_KEYS if isinstance(d.get(k), int)), None)
-    n = _layers_needed(d, old_layers, layers)
+    n = _layers_needed(d, old_layers, layers) if keep_kinds else min(layers, old_layers or layers)
     for key, value in d.items():
         if isinstance(value, dict) and value and all(isinstance(k, int) or str(k).isdigit() for k in value):
             # Per-layer overrides keyed by layer index (per_layer_config).
             out[key] = {
-                k: _shrink_dict(v, layers) if isinstance(v, dict) else v for k, v in value.items() if int(k) < n
+                k: _shrink_dict(v, layers, keep_kinds) if isinstance(v, dict) else v for k, v in value.items() if int(k) < n
             }
         elif isinstance(value, dict) and key.endswith("config"):
-            out[key] = _shrink_dict(value, layers)
+            out[key] = _shrink_dict(value, layers, keep_kinds)
         elif key in _LAYER_KEYS and isinstance(value, int):
             out[key] = min(value, n)
         elif key in _SIZES and isinstance(value, int) and not isinstance(value, bool):
@@ -173,6 +173,8 @@ def _agree(d: dict[str, Any], n: int) -> None:
     """Restores the relations some configs validate between the sizes just shrunk."""
     if all(isinstance(d.get(k), int) for k in ("expand", "num_heads", "head_dim", "hidden_size")):
         d["num_heads"] = d["hidden_size"] * d["expand"] // d["head_dim"]  # mamba2: heads x head_dim = inner
+    if all(isinstance(d.get(k), int) for k in ("mamba_d_ssm", "mamba_n_heads", "mamba_d_head")):
+        d["mamba_d_ssm"] = d["mamba_n_heads"] * d["mamba_d_head"]  # falcon_h1: ssm width = heads x head dim
     parts = ("n_input_layers", "n_recurrent_layers", "n_output_layers")
     if all(isinstance(d.get(k), int) for k in parts) and n >= 3:
         d.update(n_input_layers=1, n_recurrent_layers=n - 2, n_output_layers=1)  # they must sum to the layers
@@ -180,12 +182,14 @@ def _agree(d: dict[str, Any], n: int) -> None:
         d["num_kv_shared_layers"] = min(d["num_kv_shared_layers"], n // 2)
 
 
-def shrink_config(model_type: str, layers: int = LAYERS) -> Any:
+def shrink_config(model_type: str, layers: int = LAYERS, keep_kinds: bool = True) -> Any:
     """The default config of ``model_type`` with every size made tiny.
 
     Args:
         model_type: a transformers model type.
         layers: decoder layers to keep (per-layer lists are cut to match).
+        keep_kinds: keep more layers (up to ``MAX_LAYERS``) where that is what
+            it takes for every kind of layer in a per-layer list to appear.
 
     Returns:
         The shrunk config (raises Skip when it cannot be built).
@@ -200,7 +204,7 @@ def shrink_config(model_type: str, layers: int = LAYERS) -> Any:
         base = AutoConfig.for_model(model_type)
     except Exception as exc:  # noqa: BLE001 - a config class that needs arguments is a skip
         raise Skip(f"default config does not build: {type(exc).__name__}: {exc}") from exc
-    d = _shrink_dict(base.to_dict(), layers)
+    d = _shrink_dict(base.to_dict(), layers, keep_kinds)
     d.pop("model_type", None)
     d.pop("transformers_version", None)
     d.pop("architectures", None)
@@ -272,6 +276,27 @@ def alias_groups(model: nn.Module) -> list[list[str]]:
     return sorted(sorted(g) for g in by_id.values() if len(g) > 1)
 
 
+def _buildable_config(model_type: str, dtype: torch.dtype) -> tuple[Any, int]:
+    """The shrunk config whose model builds (every layer kind first, else the plain prefix)
+    and its parameter count, counted on meta: a config that resisted shrinking must not allocate."""
+    from accelerate import init_empty_weights
+    from transformers import AutoModelForCausalLM
+
+    first: Skip | None = None
+    for keep_kinds in (True, False):
+        try:
+            cfg = shrink_config(model_type, keep_kinds=keep_kinds)
+            cfg.dtype = dtype
+            with _quiet(), init_empty_weights():
+                return cfg, _params(AutoModelForCausalLM.from_config(cfg, dtype=dtype))
+        except Skip as exc:
+            first = first or exc
+        except Exception as exc:  # noqa: BLE001
+            first = first or Skip(f"model does not build from the shrunk config: {type(exc).__name__}: {exc}")
+    assert first is not None
+    raise first
+
+
 def build_checkpoint(
     model_type: str, out_dir: str | Path, seed: int = 0, dtype: torch.dtype = torch.bfloat16
 ) -> Built:
@@ -296,16 +321,7 @@ def build_checkpoint(
     """
     from transformers import AutoModelForCausalLM
 
-    cfg = shrink_config(model_type)
-    cfg.dtype = dtype
-    from accelerate import init_empty_weights
-
-    try:
-        # Counted on meta first: a config that resisted shrinking must not allocate.
-        with _quiet(), init_empty_weights():
-            n = _params(AutoModelForCausalLM.from_config(cfg, dtype=dtype))
-    except Exception as exc:  # noqa: BLE001
-        raise Skip(f"model does not build from the shrunk config: {type(exc).__name__}: {exc}") from exc
+    cfg, n = _buildable_config(model_type, dtype)
     if n > MAX_PARAMS:
         raise Skip(f"config does not shrink generically ({n:,} parameters after shrinking)")
     try:
