@@ -47,7 +47,10 @@ def case_unsharded_classes(rank: int, world: int, *, ckpt: str, ws: int) -> dict
         return None
     model = meta_model(ckpt)
     plain_cls = type(model)
-    plain = [repr(m) for m in get_model_conversion_mapping(model)]
+    def described(mapping: list) -> list[str]:
+        return [f"{m!r} scope={getattr(m, 'scope_prefix', None)!r}" for m in mapping]
+
+    plain = described(get_model_conversion_mapping(model))
     default_shard_fn(model, mesh)
     sharded_cls = type(model)
     # If torch stops swapping classes this fails, and unsharded_classes may be dropped.
@@ -55,7 +58,7 @@ def case_unsharded_classes(rank: int, world: int, *, ckpt: str, ws: int) -> dict
     assert unsharded_class(model) is plain_cls
     with unsharded_classes(model):
         assert type(model) is plain_cls
-        inside = [repr(m) for m in get_model_conversion_mapping(model)]
+        inside = described(get_model_conversion_mapping(model))
     assert type(model) is sharded_cls
-    bare = [repr(m) for m in get_model_conversion_mapping(model)]
+    bare = described(get_model_conversion_mapping(model))
     return {"plain": plain, "inside": inside, "bare": bare}

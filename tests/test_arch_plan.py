@@ -12,7 +12,7 @@ import torch
 
 from streamload.plan.convert import Sym, _full_names, apply_ops_symbolically
 from streamload.plan.regions import identity_piece
-from streamload.tools.archs import alias_groups, differing, shrink_config
+from streamload.tools.archs import _shrink_dict, alias_groups, differing, shrink_config
 
 
 def test_shrink_keeps_every_layer_kind_and_relations() -> None:
@@ -23,9 +23,12 @@ def test_shrink_keeps_every_layer_kind_and_relations() -> None:
     assert len(hybrid.layer_types) == hybrid.num_hidden_layers
     assert len(set(hybrid.layer_types)) > 1
     # A multi-head default stays multi-head; a per-layer dict keeps only kept layers.
-    dots = shrink_config("dots3_note_text")
-    assert dots.num_key_value_heads == dots.num_attention_heads
-    assert all(int(k) < dots.num_hidden_layers for k in dots.per_layer_config)
+    from transformers import AutoConfig
+
+    dots = _shrink_dict(AutoConfig.for_model("dots3_note_text").to_dict(), 2)
+    assert dots["num_key_value_heads"] == dots["num_attention_heads"] == 4
+    assert all(int(k) < dots["num_hidden_layers"] for k in dots["per_layer_config"])
+    assert all(v["num_attention_heads"] == 4 for v in dots["per_layer_config"].values())
 
 
 def _split_converter():

@@ -119,6 +119,10 @@ def init_buffers_like_from_pretrained(model: nn.Module) -> list[str] | None:
             own = [b for b in mod._non_persistent_buffers_set if mod._buffers.get(b) is not None]
             if not own:
                 continue
+            # from_pretrained's skeleton was built without init: nothing is marked done yet.
+            mod.__dict__.pop("_is_hf_initialized", None)
+            for b in own:
+                mod._buffers[b].__dict__.pop("_is_hf_initialized", None)  # type: ignore[union-attr]
             try:
                 owner._initialize_weights(mod, custom)  # type: ignore[operator]
             except Exception:  # noqa: BLE001 - reported as unrestored: the buffers keep their built values
