@@ -26,7 +26,9 @@ from streamload.tools.archs import causal_lm_types  # noqa: E402
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="docs/architectures.md")
-    ap.add_argument("--jsonl", default="bench_out/arch_sweep.jsonl", help="one line per architecture, as it ends")
+    ap.add_argument(
+        "--jsonl", default="bench_out/arch_sweep.jsonl", help="one line per architecture, as it ends"
+    )
     ap.add_argument("--only", nargs="*", help="these model types only")
     ap.add_argument("--timeout", type=float, default=120.0, help="seconds per architecture")
     args = ap.parse_args()

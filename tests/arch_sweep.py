@@ -51,7 +51,9 @@ def _deadline(seconds: float) -> Iterator[None]:
 def _first_line(text: str, limit: int = 300) -> str:
     lines = [ln for ln in text.splitlines() if ln.strip()]
     # The exception line of the first failing rank's traceback says what went wrong.
-    tail = next((ln for ln in lines if ln.startswith(("streamload.", "AssertionError")) or "Error:" in ln), "")
+    tail = next(
+        (ln for ln in lines if ln.startswith(("streamload.", "AssertionError")) or "Error:" in ln), ""
+    )
     return (tail or (lines[-1] if lines else text))[:limit]
 
 
@@ -107,7 +109,10 @@ def _judge(mt: str, ranks: list[dict | None], params: int) -> Outcome:
             return Outcome(mt, "failed", f"rank {r}: differs from transformers: {res['differ'][:4]}", params)
         if res["aliases"] != res["ref_aliases"]:
             return Outcome(
-                mt, "failed", f"rank {r}: alias groups {res['aliases']} != transformers' {res['ref_aliases']}", params
+                mt,
+                "failed",
+                f"rank {r}: alias groups {res['aliases']} != transformers' {res['ref_aliases']}",
+                params,
             )
     return Outcome(mt, "loaded", "", params)
 

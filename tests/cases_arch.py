@@ -47,6 +47,7 @@ def case_unsharded_classes(rank: int, world: int, *, ckpt: str, ws: int) -> dict
         return None
     model = meta_model(ckpt)
     plain_cls = type(model)
+
     def described(mapping: list) -> list[str]:
         return [f"{m!r} scope={getattr(m, 'scope_prefix', None)!r}" for m in mapping]
 

@@ -10,7 +10,9 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
 
 def pytest_addoption(parser) -> None:
-    parser.addoption("--runslow", action="store_true", help="also run tests marked slow (e.g. the full architecture sweep)")
+    parser.addoption(
+        "--runslow", action="store_true", help="also run tests marked slow (e.g. the full architecture sweep)"
+    )
 
 
 def pytest_collection_modifyitems(config, items) -> None:

@@ -35,7 +35,9 @@ def _split_converter():
     from transformers.core_model_loading import Split, WeightConverter
 
     return WeightConverter(
-        source_patterns="query_key_value", target_patterns=["q_proj", "k_proj", "v_proj"], operations=[Split(dim=0)]
+        source_patterns="query_key_value",
+        target_patterns=["q_proj", "k_proj", "v_proj"],
+        operations=[Split(dim=0)],
     )
 
 

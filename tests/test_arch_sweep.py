@@ -10,7 +10,7 @@ from pathlib import Path
 
 import cases_arch
 import pytest
-from arch_sweep import sweep, summary
+from arch_sweep import summary, sweep
 from rank_group import RankGroup
 
 from streamload.tools.archs import build_checkpoint, causal_lm_types

@@ -166,14 +166,15 @@ def apply_ops_symbolically(
             data = dict(zip(outs, chunks, strict=True))
         elif isinstance(op, cml.Split) and type(op) is cml.Split:
             if len(data) != 1 or layer_name is None or shapes is None:
-                _undefined()
+                raise NotStreamable("undefined operation layout")
             val = _as_list(next(iter(data.values())))[0]
             names = [layer_name.replace(targets[0], t) for t in targets]
             if any(n not in shapes for n in names):
-                _undefined()
+                raise NotStreamable("Split targets not in the model")
             sizes = [shapes[n][op.dim] for n in names]
             if sum(sizes) != val.shape[op.dim]:
-                _undefined()  # torch.split would raise: let transformers' own op say so
+                # torch.split would raise: let transformers' own op say so.
+                raise NotStreamable("Split sizes do not add up")
             starts = [sum(sizes[:i]) for i in range(len(sizes))]
             data = {t: _narrow(val, op.dim, a, n) for t, a, n in zip(targets, starts, sizes, strict=True)}
         else:

@@ -27,20 +27,42 @@ LAYERS = 2
 _SIZES: dict[str, int] = {
     **dict.fromkeys(("hidden_size", "n_embd", "d_model", "n_embed", "embed_dim", "dim", "model_dim"), 32),
     **dict.fromkeys(
-        ("num_attention_heads", "n_head", "n_heads", "num_heads", "decoder_attention_heads",
-         "encoder_attention_heads", "attention_heads"),
+        (
+            "num_attention_heads",
+            "n_head",
+            "n_heads",
+            "num_heads",
+            "decoder_attention_heads",
+            "encoder_attention_heads",
+            "attention_heads",
+        ),
         4,
     ),  # fmt: skip
     **dict.fromkeys(("num_key_value_heads", "num_kv_heads", "n_kv_heads", "multi_query_group_num"), 2),
     **dict.fromkeys(("head_dim", "attention_head_dim", "kv_channels"), 8),
     **dict.fromkeys(
-        ("intermediate_size", "ffn_dim", "n_inner", "decoder_ffn_dim", "encoder_ffn_dim", "ffn_hidden_size",
-         "d_ff", "inner_dim", "mlp_dim", "hidden_dim"),
+        (
+            "intermediate_size",
+            "ffn_dim",
+            "n_inner",
+            "decoder_ffn_dim",
+            "encoder_ffn_dim",
+            "ffn_hidden_size",
+            "d_ff",
+            "inner_dim",
+            "mlp_dim",
+            "hidden_dim",
+        ),
         64,
     ),  # fmt: skip
     **dict.fromkeys(
-        ("moe_intermediate_size", "expert_intermediate_size", "shared_expert_intermediate_size",
-         "moe_ffn_hidden_size", "moe_hidden_size"),
+        (
+            "moe_intermediate_size",
+            "expert_intermediate_size",
+            "shared_expert_intermediate_size",
+            "moe_ffn_hidden_size",
+            "moe_hidden_size",
+        ),
         16,
     ),  # fmt: skip
     **dict.fromkeys(("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts"), 4),
@@ -49,8 +71,14 @@ _SIZES: dict[str, int] = {
         ("vocab_size", "shape_vocab_size", "pronunciation_vocab_size", "encoder_hash_byte_group_vocab"), 128
     ),
     **dict.fromkeys(
-        ("emb_dim", "hidden_size_global", "lru_width", "pronunciation_embed_dim", "shape_embed_dim",
-         "expert_ffn_hidden_size"),
+        (
+            "emb_dim",
+            "hidden_size_global",
+            "lru_width",
+            "pronunciation_embed_dim",
+            "shape_embed_dim",
+            "expert_ffn_hidden_size",
+        ),
         32,
     ),  # fmt: skip
     **dict.fromkeys(("d_head", "swa_head_dim"), 8),
@@ -139,7 +167,9 @@ def _shrink_dict(d: dict[str, Any], layers: int, keep_kinds: bool = True) -> dic
         if isinstance(value, dict) and value and all(isinstance(k, int) or str(k).isdigit() for k in value):
             # Per-layer overrides keyed by layer index (per_layer_config).
             out[key] = {
-                k: _shrink_dict(v, layers, keep_kinds) if isinstance(v, dict) else v for k, v in value.items() if int(k) < n
+                k: _shrink_dict(v, layers, keep_kinds) if isinstance(v, dict) else v
+                for k, v in value.items()
+                if int(k) < n
             }
         elif isinstance(value, dict) and key.endswith("config"):
             out[key] = _shrink_dict(value, layers, keep_kinds)
