@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextlib
 import io
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -272,7 +272,6 @@ def differing(model: nn.Module, ref: nn.Module) -> list[str]:
         >>> differing(loaded, reference) == []
         True
     """
-    from ..io.copy_ops import bit_view
 
     def full(t: torch.Tensor) -> torch.Tensor:
         to_full = getattr(t, "full_tensor", None)
@@ -287,8 +286,7 @@ def differing(model: nn.Module, ref: nn.Module) -> list[str]:
             if name not in mine or name not in theirs:
                 bad.append(f"{kind}{name} (only one side has it)")
                 continue
-            a, b = full(mine[name]).detach(), theirs[name].detach()
-            if a.dtype != b.dtype or a.shape != b.shape or not torch.equal(bit_view(a), bit_view(b)):
+            if _differ(full(mine[name]).detach(), theirs[name].detach()):
                 bad.append(f"{kind}{name}")
     return bad
 
@@ -327,6 +325,21 @@ def _buildable_config(model_type: str, dtype: torch.dtype) -> tuple[Any, int]:
     raise first
 
 
+def _attempt(why: str, fn: Callable[[], nn.Module]) -> nn.Module:
+    """Runs transformers' own step quietly; its failure is a Skip saying ``why``."""
+    try:
+        with _quiet():
+            return fn()
+    except Exception as exc:  # noqa: BLE001 - whatever transformers raises is the reason
+        raise Skip(f"{why}: {type(exc).__name__}: {exc}") from exc
+
+
+def _differ(a: torch.Tensor, b: torch.Tensor) -> bool:
+    from ..io.copy_ops import bit_view
+
+    return a.dtype != b.dtype or a.shape != b.shape or not torch.equal(bit_view(a), bit_view(b))
+
+
 def build_checkpoint(
     model_type: str, out_dir: str | Path, seed: int = 0, dtype: torch.dtype = torch.bfloat16
 ) -> Built:
@@ -354,34 +367,26 @@ def build_checkpoint(
     cfg, n = _buildable_config(model_type, dtype)
     if n > MAX_PARAMS:
         raise Skip(f"config does not shrink generically ({n:,} parameters after shrinking)")
-    try:
-        with _quiet():
-            torch.manual_seed(seed)
-            model = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
-    except Exception as exc:  # noqa: BLE001
-        raise Skip(f"model does not build from the shrunk config: {type(exc).__name__}: {exc}") from exc
+
+    def build() -> nn.Module:
+        torch.manual_seed(seed)
+        return AutoModelForCausalLM.from_config(cfg, dtype=dtype)
+
+    model: Any = _attempt("model does not build from the shrunk config", build)
     randomize_(model, seed)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    try:
-        with _quiet():
-            model.save_pretrained(out)
-            ref = AutoModelForCausalLM.from_pretrained(out, dtype=dtype)
-    except Exception as exc:  # noqa: BLE001
-        raise Skip(f"transformers cannot save and reload it: {type(exc).__name__}: {exc}") from exc
+
+    def round_trip() -> nn.Module:
+        model.save_pretrained(out)
+        return AutoModelForCausalLM.from_pretrained(out, dtype=dtype)
+
+    ref = _attempt("transformers cannot save and reload it", round_trip)
     # Non-persistent buffers are not in the files: the reference for them is
     # from_pretrained itself, so the round trip is judged on the state dict.
-    from ..io.copy_ops import bit_view
-
     mine, theirs = model.state_dict(), ref.state_dict()
     bad = sorted(
-        k
-        for k in set(mine) | set(theirs)
-        if k not in mine
-        or k not in theirs
-        or mine[k].dtype != theirs[k].dtype
-        or mine[k].shape != theirs[k].shape
-        or not torch.equal(bit_view(mine[k]), bit_view(theirs[k]))
+        k for k in set(mine) | set(theirs) if k not in mine or k not in theirs or _differ(mine[k], theirs[k])
     )
     if bad:
         raise Skip(f"transformers' own save_pretrained -> from_pretrained changes {bad[:3]}")
