@@ -308,7 +308,7 @@ def _buildable_config(model_type: str, dtype: torch.dtype) -> tuple[Any, int]:
     """The shrunk config whose model builds (every layer kind first, else the plain prefix)
     and its parameter count, counted on meta: a config that resisted shrinking must not allocate."""
     from accelerate import init_empty_weights
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     first: Skip | None = None
     for keep_kinds in (True, False):
@@ -322,6 +322,13 @@ def _buildable_config(model_type: str, dtype: torch.dtype) -> tuple[Any, int]:
         except Exception as exc:  # noqa: BLE001
             first = first or Skip(f"model does not build from the shrunk config: {type(exc).__name__}: {exc}")
     assert first is not None
+    try:
+        with _quiet(), init_empty_weights():
+            AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type))
+    except Exception as exc:  # noqa: BLE001 - then the shrinking is not what fails
+        raise Skip(
+            f"transformers' default config does not build a model either: {type(exc).__name__}: {exc}"
+        ) from exc
     raise first
 
 
