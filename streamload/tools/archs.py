@@ -82,7 +82,9 @@ _SIZES: dict[str, int] = {
         32,
     ),  # fmt: skip
     **dict.fromkeys(("d_head", "swa_head_dim"), 8),
-    **dict.fromkeys(("adapter_in_dim", "adapter_out_dim", "adapter_input_size"), 32),  # projectors between towers of width 32
+    **dict.fromkeys(
+        ("adapter_in_dim", "adapter_out_dim", "adapter_input_size"), 32
+    ),  # projectors between towers of width 32
     **dict.fromkeys(("zero_expert_num",), 2),
     **dict.fromkeys(("mamba_n_heads",), 4),
     **dict.fromkeys(("mamba_d_head",), 16),
