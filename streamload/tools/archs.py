@@ -37,7 +37,7 @@ _SIZES: dict[str, int] = {
             "attention_heads",
         ),
         4,
-    ),  # fmt: skip
+    ),
     **dict.fromkeys(("num_key_value_heads", "num_kv_heads", "n_kv_heads", "multi_query_group_num"), 2),
     **dict.fromkeys(("head_dim", "attention_head_dim", "kv_channels"), 8),
     **dict.fromkeys(
@@ -54,7 +54,7 @@ _SIZES: dict[str, int] = {
             "hidden_dim",
         ),
         64,
-    ),  # fmt: skip
+    ),
     **dict.fromkeys(
         (
             "moe_intermediate_size",
@@ -64,7 +64,7 @@ _SIZES: dict[str, int] = {
             "moe_hidden_size",
         ),
         16,
-    ),  # fmt: skip
+    ),
     **dict.fromkeys(("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts"), 4),
     **dict.fromkeys(("num_experts_per_tok", "moe_topk", "top_k", "num_selected_experts"), 2),
     **dict.fromkeys(
@@ -80,11 +80,10 @@ _SIZES: dict[str, int] = {
             "expert_ffn_hidden_size",
         ),
         32,
-    ),  # fmt: skip
+    ),
     **dict.fromkeys(("d_head", "swa_head_dim"), 8),
-    **dict.fromkeys(
-        ("adapter_in_dim", "adapter_out_dim", "adapter_input_size"), 32
-    ),  # projectors between towers of width 32
+    # Projectors between towers (vision/audio to text) of width 32.
+    **dict.fromkeys(("adapter_in_dim", "adapter_out_dim", "adapter_input_size"), 32),
     **dict.fromkeys(("zero_expert_num",), 2),
     **dict.fromkeys(("mamba_n_heads",), 4),
     **dict.fromkeys(("mamba_d_head",), 16),
