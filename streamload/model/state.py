@@ -17,6 +17,7 @@ from torch import nn
 from ..errors import PlacementError, TieError
 from ..io.copy_ops import ST_DTYPES
 from ..plan.buckets import Placement
+from .hf import init_buffers_like_from_pretrained
 from .layouts import check_placements, local_layout
 
 
@@ -65,12 +66,8 @@ def _declared_ties(model: nn.Module) -> dict[str, str]:
     get = getattr(model, "get_expanded_tied_weights_keys", None)
     if get is None:
         return {}
-    config = getattr(model, "config", None)
-    if config is not None and hasattr(config, "get_text_config"):
-        if not getattr(
-            config.get_text_config(), "tie_word_embeddings", getattr(config, "tie_word_embeddings", True)
-        ):
-            return {}
+    # transformers' helper reads each sub-model's own config.tie_word_embeddings
+    # (a composite model's may differ from its text config's): ask it alone.
     try:
         return dict(get(all_submodels=True))
     except Exception:  # noqa: BLE001 - a model's own helper failing must not stop a load
@@ -159,9 +156,10 @@ def materialize(model: nn.Module, device: torch.device) -> None:
 def restore_buffers(model: nn.Module, state: ModelState) -> list[str]:
     """Puts non-persistent buffers back after ``to_empty()``.
 
-    Buffers that had real values are copied back; buffers built on meta are
-    recomputed by transformers' own ``_init_weights`` (rotary ``inv_freq``
-    and the like) on modules without parameters of their own.
+    Buffers that had real values are copied back; on a transformers model
+    every non-persistent buffer is then recomputed as its ``from_pretrained``
+    does (``init_buffers_like_from_pretrained``); elsewhere buffers built on
+    meta are recomputed by ``_init_weights`` on modules without parameters.
 
     Returns:
         Names of non-persistent buffers that could not be restored.
@@ -172,10 +170,12 @@ def restore_buffers(model: nn.Module, state: ModelState) -> list[str]:
         buf = modules[mod_name]._buffers[attr]
         if buf is not None:
             buf.copy_(value.to(buf.device))
-    unrestored: list[str] = []
+    # transformers models: every non-persistent buffer as from_pretrained computes it.
+    hf_failed = init_buffers_like_from_pretrained(model)
+    unrestored: list[str] = list(hf_failed or [])
     init = getattr(model, "_init_weights", None)
     done: set[str] = set()
-    for name in state.meta_buffers:
+    for name in state.meta_buffers if hf_failed is None else []:
         mod_name, _ = _split(name)
         mod = modules[mod_name]
         if mod_name in done:
@@ -187,7 +187,7 @@ def restore_buffers(model: nn.Module, state: ModelState) -> list[str]:
             unrestored.append(name)
     if unrestored:
         warnings.warn(
-            f"streamload: non-persistent buffers built on meta cannot be recomputed: {unrestored}; "
+            f"streamload: non-persistent buffers could not be recomputed: {unrestored}; "
             "build the model with real buffers (e.g. accelerate.init_empty_weights()) to keep them",
             stacklevel=3,
         )

@@ -186,7 +186,9 @@ def validate_shapes(targets: Sequence[Target], table: dict[str, tuple[str, tuple
         file = table[first][2] if first else None
         if len(t.pieces) == 1 and t.pieces[0].dims == tuple(range(len(t.shape))):
             src_shape = table[t.pieces[0].key][1]
-            if tuple(src_shape) != tuple(t.shape):
+            # A whole source tensor (not one a Split or Chunk narrowed) must be the target's shape.
+            whole = tuple(t.pieces[0].shape) == tuple(src_shape)
+            if whole and tuple(src_shape) != tuple(t.shape):
                 raise ShapeMismatchError(
                     f"checkpoint shape {list(src_shape)} != model shape {list(t.shape)} for '{t.name}'",
                     file,

@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from ..io.copy_ops import TORCH_DTYPES
+from ..model.hf import unsharded_classes
 from .regions import SourcePiece, identity_piece, regions_for_box
 
 # The checkpoint's tensor table as every rank receives it: key -> (dtype, shape, file).
@@ -112,13 +113,19 @@ def _as_list(x: Sym | list[Sym]) -> list[Sym]:
 
 
 def apply_ops_symbolically(
-    converter: Any, inputs: dict[str, list[Sym]], expected: dict[str, tuple[int, ...]], config: Any = None
+    converter: Any,
+    inputs: dict[str, list[Sym]],
+    expected: dict[str, tuple[int, ...]],
+    config: Any = None,
+    layer_name: str | None = None,
+    shapes: dict[str, tuple[int, ...]] | None = None,
 ) -> dict[str, Sym]:
     """Runs a WeightConverter's operations on symbolic tensors.
 
     Mirrors each op's ``convert`` (same key naming rules), so the result is
     keyed like transformers' own output. Raises NotStreamable for ops that
-    are not plain region maps.
+    are not plain region maps. ``layer_name`` and ``shapes`` (model target ->
+    shape) size a Split's pieces as transformers does, by its targets' shapes.
     """
     from transformers import core_model_loading as cml
 
@@ -157,6 +164,19 @@ def apply_ops_symbolically(
             outs = op.get_target_patterns(targets, config=config)
             chunks = _chunk(val, op.dim, len(outs))
             data = dict(zip(outs, chunks, strict=True))
+        elif isinstance(op, cml.Split) and type(op) is cml.Split:
+            if len(data) != 1 or layer_name is None or shapes is None:
+                raise NotStreamable("undefined operation layout")
+            val = _as_list(next(iter(data.values())))[0]
+            names = [layer_name.replace(targets[0], t) for t in targets]
+            if any(n not in shapes for n in names):
+                raise NotStreamable("Split targets not in the model")
+            sizes = [shapes[n][op.dim] for n in names]
+            if sum(sizes) != val.shape[op.dim]:
+                # torch.split would raise: let transformers' own op say so.
+                raise NotStreamable("Split sizes do not add up")
+            starts = [sum(sizes[:i]) for i in range(len(sizes))]
+            data = {t: _narrow(val, op.dim, a, n) for t, a, n in zip(targets, starts, sizes, strict=True)}
         else:
             raise NotStreamable(name)
     return {k: (_as_list(v)[0]) for k, v in data.items()}
@@ -211,17 +231,20 @@ def _weight_mapping(model: nn.Module) -> list[Any]:
         return []
     if not isinstance(model, PreTrainedModel):
         return []
-    return get_model_conversion_mapping(model)
+    # Looked up on the classes transformers registered, not fully_shard's subclasses.
+    with unsharded_classes(model):
+        return get_model_conversion_mapping(model)
 
 
-def _output_name(layer_name: str, key: str) -> str:
-    """transformers' expansion of an op output key to a full name."""
+def _full_names(layer_name: str, keys: Sequence[str]) -> dict[str, str]:
+    """transformers' expansion of op output keys to full names (``WeightConverter.convert``):
+    the prefix and suffix around the first key found in the layer name, applied to every key."""
     full = layer_name.replace("*.", "0.") if "*." in layer_name else layer_name
-    for candidate in (key,):
-        if candidate in full:
-            prefix, _, suffix = full.partition(candidate)
-            return prefix + key + suffix
-    return key
+    hit = next((k for k in keys if k in full), None)
+    if hit is None:
+        return {k: k for k in keys}
+    prefix, _, suffix = full.partition(hit)
+    return {k: prefix + k + suffix for k in keys}
 
 
 def plan_conversions(model: nn.Module, table: Table, targets: dict[str, tuple[int, ...]]) -> Conversion:
@@ -274,9 +297,12 @@ def plan_conversions(model: nn.Module, table: Table, targets: dict[str, tuple[in
         }
         ops = "+".join(type(op).__name__ for op in converter.operations)
         try:
-            outs = apply_ops_symbolically(converter, leaves, {"*": targets[layer_name]}, config)
+            outs = apply_ops_symbolically(
+                converter, leaves, {"*": targets[layer_name]}, config, layer_name, targets
+            )
+            full = _full_names(layer_name, list(outs))
             for out_key, sym in outs.items():
-                name = _output_name(layer_name, out_key) if len(outs) > 1 else layer_name
+                name = full[out_key] if len(outs) > 1 else layer_name
                 if name in targets:
                     conv.pieces[name] = tuple(sym.pieces)
                     conv.described[name] = f"streamed {ops} of {sum(len(v) for v in inputs.values())} tensors"
@@ -341,9 +367,10 @@ def run_converter(
             config=getattr(model, "config", None),
         )
     out = {}
+    full = _full_names(layer_name, list(data))
     for key, value in data.items():
         value = value[0] if isinstance(value, list) else value
-        out[_output_name(layer_name, key) if len(data) > 1 else layer_name] = value
+        out[full[key] if len(data) > 1 else layer_name] = value
     return out
 
 
