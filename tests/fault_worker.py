@@ -16,7 +16,12 @@ import torch.distributed as dist
 
 import streamload
 import streamload.dist.stream as sl_load
+import streamload.dist.strategies as sl_strategies
+import streamload.load.prepare as sl_prepare
 from streamload.dist.pack import Packer
+
+# Pre-stream steps that run after the placement all-gather, and the rank that fails in each.
+PRE_STREAM = {"plan_raise": 1, "map_raise": 2, "node_groups_raise": 1}
 
 
 def inject(fault: str, rank: int, ckpt: str):
@@ -56,9 +61,33 @@ def inject(fault: str, rank: int, ckpt: str):
 
         sl_load.unpack = unpack
 
+    real_plan, real_map, real_group = sl_prepare.build_plan, sl_prepare.map_shards, sl_strategies.node_group
+    if PRE_STREAM.get(fault) == rank:
+        if fault == "plan_raise":
+
+            def build_plan(*args, **kwargs):
+                raise RuntimeError(f"injected failure planning on rank {rank}")
+
+            sl_prepare.build_plan = build_plan
+        if fault == "map_raise":
+
+            def map_shards(*args, **kwargs):
+                raise streamload.CheckpointFileError(f"injected failure mapping shards on rank {rank}", ckpt)
+
+            sl_prepare.map_shards = map_shards
+        if fault == "node_groups_raise":
+
+            def node_group(global_ranks, backend=None):
+                group = real_group(global_ranks, backend)  # the collective itself must still be matched
+                raise RuntimeError(f"injected failure creating node group {global_ranks} on rank {rank}")
+
+            sl_strategies.node_group = node_group
+
     def undo() -> None:
         Packer.pack = real_pack  # type: ignore[method-assign]
         sl_load.unpack = real_unpack
+        sl_prepare.build_plan, sl_prepare.map_shards, sl_strategies.node_group = real_plan, real_map, real_group
+        os.environ.pop("STREAMLOAD_NODE", None)
 
     return undo
 
@@ -88,6 +117,9 @@ def main() -> None:
                     readers, path = "owners", ckpt
                     if fault == "owners_mismatched_copy" and args.rank == 2:
                         path = ckpt + "_other"  # this rank's copy differs from the reader's
+                if fault in PRE_STREAM:  # every rank sees the files: owners (mapping) or node mode
+                    readers, path = ("node" if fault == "node_groups_raise" else "auto"), ckpt
+                    os.environ["STREAMLOAD_NODE"] = "a" if args.rank < 2 else "b"
                 streamload.from_pretrained(
                     path, device_mesh=mesh, bucket_bytes=4096, progress=False, readers=readers
                 )

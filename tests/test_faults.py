@@ -38,6 +38,11 @@ EXPECTED = {
     "owners_raise_bucket": ("CheckpointFileError", "CheckpointFileError", 1),
     "owners_interrupt": ("KeyboardInterrupt", "RemoteRankError", 1),
     "owners_mismatched_copy": ("CheckpointFileError", "CheckpointFileError", None),
+    # Steps after the placement all-gather and before the first weight byte (issue #15):
+    # a failure on one rank there raises on every rank instead of leaving the others in bucket 0.
+    "plan_raise": ("RuntimeError", "RemoteRankError", 1),
+    "map_raise": ("CheckpointFileError", "CheckpointFileError", 2),
+    "node_groups_raise": ("RuntimeError", "RemoteRankError", 1),
 }
 
 

@@ -28,16 +28,20 @@ class StreamResult:
 class ReaderStrategy(Protocol):
     """Runs a prepared plan: ``open`` takes what it needs (groups), ``close`` gives it back.
 
+    ``prepare`` calls ``open`` inside its last agreement, on every rank, even on
+    one whose planning failed (the collective sequence must stay the same on
+    every rank), so a failure in it raises on every rank before the first weight byte.
+
     Example:
         >>> strategy = make_strategy(prep.choice)
+        >>> strategy.open(prep.choice, prep.group, prep.device)
         >>> try:
-        ...     strategy.open(prep)
         ...     result = strategy.run(prep)
         ... finally:
         ...     strategy.close()
     """
 
-    def open(self, prep: Prepared) -> None: ...
+    def open(self, choice: ReaderChoice, group: dist.ProcessGroup | None, device: torch.device) -> None: ...
 
     def run(self, prep: Prepared) -> StreamResult: ...
 
@@ -51,8 +55,8 @@ class _Routed:
     def __init__(self) -> None:
         self._route: StatusRoute | None = None
 
-    def open(self, prep: Prepared) -> None:
-        self._route = open_status_route(prep.group, prep.device)
+    def open(self, choice: ReaderChoice, group: dist.ProcessGroup | None, device: torch.device) -> None:
+        self._route = open_status_route(group, device)
 
     def close(self) -> None:
         """Destroys the side group, if this load created one."""
@@ -112,19 +116,34 @@ class NodeScatter:
         self._groups: list[dist.ProcessGroup] = []
         self._sides: list[dist.ProcessGroup] = []  # gloo twins of the node groups (NCCL only)
 
-    def open(self, prep: Prepared) -> None:
-        assert prep.group is not None
-        layout = tuple(tuple(ranks) for ranks in prep.choice.nodes)
+    def open(self, choice: ReaderChoice, group: dist.ProcessGroup | None, device: torch.device) -> None:
+        """Creates every node's group (``new_group`` is collective over the whole world).
+
+        Each creation is attempted even after an earlier one failed here, so the
+        other ranks are never left waiting in a ``new_group`` this rank skipped;
+        the first failure is raised at the end. (A failure inside torch's own
+        ``new_group`` on one rank is a transport failure: the others wait for it
+        as for any collective, up to the group's timeout.)
+        """
+        assert group is not None
+        layout = tuple(tuple(ranks) for ranks in choice.nodes)
         if layout == self._layout:
             return
         self.close()
-        group = prep.group
         members = [[dist.get_global_rank(group, r) for r in ranks] for ranks in layout]
-        self._groups = [dist.new_group(m) for m in members]
         # Node groups take the default backend: without a CPU part, their status flags need twins.
-        if protocol.needs_side_group(None, prep.device):
-            self._sides = [dist.new_group(m, backend="gloo") for m in members]
+        sides = protocol.needs_side_group(None, device)
+        failure: BaseException | None = None
+        for m in members:
+            try:
+                self._groups.append(node_group(m))
+                if sides:
+                    self._sides.append(node_group(m, backend="gloo"))
+            except BaseException as exc:  # noqa: BLE001 - raised after every group was attempted
+                failure = failure or exc
         self._layout = layout
+        if failure is not None:
+            raise failure
 
     def run(self, prep: Prepared) -> StreamResult:
         assert prep.group is not None and self._layout is not None
@@ -160,6 +179,11 @@ class NodeScatter:
         self._sides = []
         for g in groups:
             dist.destroy_process_group(g)
+
+
+def node_group(global_ranks: list[int], backend: str | None = None) -> dist.ProcessGroup:
+    """One node's process group (a seam the fault-injection tests replace)."""
+    return dist.new_group(global_ranks, backend=backend)
 
 
 def make_strategy(choice: ReaderChoice) -> ReaderStrategy:

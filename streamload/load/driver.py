@@ -12,7 +12,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..dist.readers import ReaderMode
-from ..dist.strategies import StreamResult, make_strategy
+from ..dist.strategies import StreamResult
 from ..io.checkpoint import Checkpoint
 from ..report import LoadReport
 from .finalize import finalize
@@ -106,10 +106,10 @@ def run_load(
         A LoadReport.
     """
     prep = prepare(model, path, options, opened)
-    strategy = make_strategy(prep.choice)
+    strategy = prep.strategy
+    assert strategy is not None
     result: StreamResult
     try:
-        strategy.open(prep)
         result = strategy.run(prep)
     finally:
         strategy.close()

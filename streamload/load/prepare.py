@@ -15,6 +15,7 @@ from torch import nn
 
 from ..dist.protocol import gather_or_raise
 from ..dist.readers import ReaderChoice, ReaderMode, choose
+from ..dist.strategies import ReaderStrategy, make_strategy
 from ..dist.stream import Shards
 from ..errors import KeyMismatchError, PlacementError
 from ..io._native import default_threads
@@ -121,6 +122,7 @@ class Prepared:
     mapped: MappedShards
     unrestored: list[str] = field(default_factory=list)
     served: list[int] = field(default_factory=list)  # group ranks the plan covers (see served_ranks)
+    strategy: ReaderStrategy | None = None  # set once every rank agreed the load can start
 
     @property
     def plan_rank(self) -> int:
@@ -157,14 +159,9 @@ def served_ranks(choice: ReaderChoice, group_rank: int, world: int) -> list[int]
     return list(range(world))
 
 
-def agree_bucket_count(plan: Plan, group: dist.ProcessGroup | None, device: torch.device) -> None:
-    """Pads ``plan`` with empty buckets to the most any rank has: owners plans are per rank,
-    and every rank must take part in the same number of per-bucket checks."""
-    if group is None or dist.get_world_size(group) == 1:
-        return
-    n = torch.tensor([len(plan.buckets)], dtype=torch.int64, device=device)
-    dist.all_reduce(n, op=dist.ReduceOp.MAX, group=group)
-    while len(plan.buckets) < int(n.item()):
+def pad_buckets(plan: Plan, count: int) -> None:
+    """Pads ``plan`` with empty buckets to ``count``, the most any rank has (agreed in ``prepare``)."""
+    while len(plan.buckets) < count:
         plan.buckets.append(Bucket([[] for _ in range(plan.world_size)], [0] * plan.world_size))
 
 
@@ -173,7 +170,9 @@ def prepare(
 ) -> Prepared:
     """Collective: every check that can be made before the first weight byte, then the plan.
 
-    Any rank's failure reaches all ranks through the placement all-gather.
+    Any rank's failure reaches all ranks: checks and materialisation through the
+    digest all-gather, planning, mapping and the strategy's groups through a
+    second agreement; nothing that can fail on one rank runs after it.
 
     Args:
         model: the model to fill (``fully_shard``-ed or not, meta or materialised).
@@ -182,7 +181,8 @@ def prepare(
         opened: a checkpoint already opened with ``open_source`` (else it is opened here).
 
     Returns:
-        The prepared load: materialised model, agreed placements, plan and local shards.
+        The prepared load: materialised model, agreed placements, plan, local shards and the
+        reader strategy, opened (the caller runs it and closes it).
     """
     clock = PhaseClock()
     if options.slots < 1:
@@ -224,34 +224,82 @@ def prepare(
             rank=rank,
         )
     assert local.match is not None and local.conversion is not None
+    # Everything between the digest all-gather and the first weight byte (the
+    # plan, mapping shards, the strategy's groups) can fail on one rank only: it
+    # runs inside a second agreement, so such a failure raises on every rank
+    # instead of leaving the others waiting in the first bucket.
+    strategy = make_strategy(choice)
+    prep: Prepared | None = None
+    error = None
+    try:
+        prep = _plan_and_map(
+            model, options, clock, state, group, device, rank, group_rank, src_group_rank, choice, meta,
+            local, len(digests),
+        )  # fmt: skip
+    except BaseException as exc:  # noqa: BLE001 - reported to every rank, then re-raised
+        error = exc
+    try:
+        # Collective: every rank creates the same groups, even after a local failure above.
+        strategy.open(choice, group, device)
+    except BaseException as exc:  # noqa: BLE001 - reported to every rank, then re-raised
+        error = error or exc
+    try:
+        # The agreement also carries each rank's bucket count: owners plans are per rank,
+        # and every rank must take part in the same number of per-bucket checks.
+        counts = gather_or_raise(len(prep.plan.buckets) if prep else 0, error, rank, group, device)
+    except BaseException:
+        strategy.close()  # every rank raises here, so every rank gives its groups back
+        raise
+    assert prep is not None
+    if choice.mode is ReaderMode.OWNERS:
+        pad_buckets(prep.plan, max(counts))
+    prep.strategy = strategy
+    clock.mark("plan")
+    return prep
+
+
+def _plan_and_map(
+    model: nn.Module,
+    options: LoadOptions,
+    clock: PhaseClock,
+    state: ModelState,
+    group: dist.ProcessGroup | None,
+    device: torch.device,
+    rank: int,
+    group_rank: int,
+    src_group_rank: int,
+    choice: ReaderChoice,
+    meta: SourceMeta,
+    local: _Local,
+    world: int,
+) -> Prepared:
+    """This rank's share of the work after the digest all-gather: plan, map, set up the shards."""
+    assert local.match is not None and local.conversion is not None
     bucket_bytes = options.bucket_bytes or default_bucket_bytes(device)
     if choice.mode is ReaderMode.OWNERS and device.type == "cpu":
         # Every rank fills its shards in place: no staging, no wire. A bucket is
         # then only the stride of the error check, and a coarse one costs less.
         bucket_bytes = max(bucket_bytes, OWNERS_CPU_BUCKET_BYTES)
-    served = served_ranks(choice, group_rank, dist.get_world_size(group) if group is not None else 1)
+    served = served_ranks(choice, group_rank, world)
     glob = [dist.get_global_rank(group, r) for r in served] if group is not None else [rank]
     placements = placements_for(local.specs, glob)
     validate_dtypes(local.match.targets, local.table, placements)
     dtypes = {k: v[0] for k, v in local.table.items()}
     plan = build_plan(local.match.targets, dtypes, placements, bucket_bytes)
-    if choice.mode is ReaderMode.OWNERS:
-        agree_bucket_count(plan, group, device)
-    if rank == src_rank and meta.tie_conflicts:
+    if rank == options.src_rank and meta.tie_conflicts:
         warnings.warn(
             f"streamload: checkpoint holds tied tensors with different values: {meta.tie_conflicts}; "
             "the canonical tensor is loaded and the alias ignored (as transformers does)",
-            stacklevel=4,
+            stacklevel=5,
         )
     locals_ = [local_tensor(t) for t in local.tensors]
     mapped = MappedShards()
     ckpt = local.source
     if options.map_files and device.type == "cpu" and isinstance(ckpt, Checkpoint) and local.mine:
-        if group_rank in choice.reader_ranks(src_group_rank, len(digests)):
+        if group_rank in choice.reader_ranks(src_group_rank, world):
             mapped = map_shards(
                 plan.targets, [p.box for p in local.mine], local.tensors, locals_, ckpt, model
             )
-    clock.mark("plan")
     fallbacks = FallbackSources(local.conversion, ckpt, model) if ckpt is not None else None
     shards = Shards(locals_, fallbacks, options.slots, options.progress, mapped.targets, local.quant)
     return Prepared(
