@@ -15,8 +15,8 @@ import torch
 import torch.distributed as dist
 
 import streamload
-import streamload.dist.stream as sl_load
 import streamload.dist.strategies as sl_strategies
+import streamload.dist.stream as sl_load
 import streamload.load.prepare as sl_prepare
 from streamload.dist.pack import Packer
 
@@ -78,7 +78,8 @@ def inject(fault: str, rank: int, ckpt: str):
         if fault == "node_groups_raise":
 
             def node_group(global_ranks, backend=None):
-                group = real_group(global_ranks, backend)  # the collective itself must still be matched
+                # The collective itself must still be matched; the failure comes after it.
+                dist.destroy_process_group(real_group(global_ranks, backend))
                 raise RuntimeError(f"injected failure creating node group {global_ranks} on rank {rank}")
 
             sl_strategies.node_group = node_group
@@ -86,7 +87,11 @@ def inject(fault: str, rank: int, ckpt: str):
     def undo() -> None:
         Packer.pack = real_pack  # type: ignore[method-assign]
         sl_load.unpack = real_unpack
-        sl_prepare.build_plan, sl_prepare.map_shards, sl_strategies.node_group = real_plan, real_map, real_group
+        sl_prepare.build_plan, sl_prepare.map_shards, sl_strategies.node_group = (
+            real_plan,
+            real_map,
+            real_group,
+        )
         os.environ.pop("STREAMLOAD_NODE", None)
 
     return undo

@@ -5,9 +5,16 @@
   (no transport; replicated tensors are read by each rank that holds them).
 - ``node``: one reader per node scatters to the ranks of its node; nothing
   crosses between nodes.
-- ``auto``: ranks compare cheap fingerprints of the files they see (size, and
-  a hash of each header and of a few sampled data blocks, all-gathered) and
-  pick owners, node or src.
+- ``auto``: ranks all-gather the identity of the files they see (device,
+  inode, size and modification time) and pick owners or node only where the
+  readers provably read the very same files; anything else is src.
+
+Why auto never trusts copies: equal sizes, headers and sampled blocks do not
+prove equal bytes (two copies may differ anywhere between the samples, and
+hashing every byte would cost a full read on every rank), and a load that
+mixes two copies is silently wrong. Only the same file on a shared file
+system is proof. ``readers="owners"`` / ``"node"`` say the caller trusts the
+copies: they are checked against the cheap fingerprints, and then read.
 """
 
 from __future__ import annotations
@@ -26,7 +33,6 @@ import torch.distributed as dist
 
 from ..errors import CheckpointFileError
 from .transport import all_gather_object
-
 
 
 class ReaderMode(str, Enum):
@@ -73,6 +79,28 @@ def fingerprint(path: Any) -> tuple | None:
                     h.seek(start + span * k // max(1, SAMPLES - 1))
                     digest.update(h.read(SAMPLE_BYTES))
             out.append((f.name, size, digest.hexdigest()))
+        return tuple(out) or None
+    except OSError:
+        return None
+
+
+def file_identity(path: Any) -> tuple | None:
+    """(file name, st_dev, st_ino, st_size, st_mtime_ns) per safetensors file, or
+    None when this rank does not see the checkpoint.
+
+    Equal on two ranks only when both open the same files of one file system
+    (a hard link or another path to them included): the proof ``auto`` needs
+    before letting ranks read their own bytes. A copy has another inode (or
+    device, on another node), even when its mtime was preserved."""
+    if path is None or not isinstance(path, (str, os.PathLike)):
+        return None
+    p = Path(path)
+    try:
+        files = [p] if p.is_file() else sorted(f for f in p.iterdir() if f.suffix == ".safetensors")
+        out = []
+        for f in files:
+            st = f.stat()
+            out.append((f.name, st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns))
         return tuple(out) or None
     except OSError:
         return None
@@ -147,7 +175,7 @@ def choose(
         return ReaderChoice(ReaderMode.OWNERS, "requested (single process)", [[0]])
     if world == 1 or requested is ReaderMode.SRC:
         return ReaderChoice(ReaderMode.SRC, "requested" if requested is ReaderMode.SRC else "single process")
-    mine = (node_key(), fingerprint(path), has_source)
+    mine = (node_key(), fingerprint(path), has_source, file_identity(path))
     seen = all_gather_object(mine, group, device)
     has_source = bool(seen[src][2])
     keys = [s[0] for s in seen]
@@ -157,7 +185,8 @@ def choose(
             order.append(k)
     nodes = [[r for r in range(world) if keys[r] == k] for k in order]
     reference = seen[src][1]
-    sees = [s[1] is not None and s[1] == reference for s in seen]
+    sees = [s[1] is not None and s[1] == reference for s in seen]  # a copy that looks the same
+    same = [s[3] is not None and s[3] == seen[src][3] for s in seen]  # provably the reader's files
     if reference is None or has_source:
         if requested in (ReaderMode.OWNERS, ReaderMode.NODE):
             raise ValueError(
@@ -169,7 +198,7 @@ def choose(
             if has_source
             else "the reader's checkpoint could not be fingerprinted",
         )
-    if requested is ReaderMode.OWNERS or (requested is ReaderMode.AUTO and all(sees)):
+    if requested is ReaderMode.OWNERS:
         if not all(sees):
             missing = [r for r in range(world) if not sees[r]]
             name, why = _first_difference(seen[missing[0]][1], reference)
@@ -179,16 +208,34 @@ def choose(
                 str(Path(path) / name) if name and Path(str(path)).is_dir() else str(path),
             )
         return ReaderChoice(
-            ReaderMode.OWNERS, "every rank sees the same files (size, header and sampled data hashes)", nodes
+            ReaderMode.OWNERS,
+            "requested: every rank's copy is trusted (size, header and sampled data hashes checked)",
+            nodes,
         )
+    if requested is ReaderMode.AUTO and all(same):
+        return ReaderChoice(
+            ReaderMode.OWNERS, "every rank opens the same files (device, inode, size and mtime)", nodes
+        )
+    trusted = sees if requested is ReaderMode.NODE else same
     node_readers = []
     for ranks in nodes:
-        seeing = [r for r in ranks if sees[r]]
+        seeing = [r for r in ranks if trusted[r]]
         node_readers.append(src if src in ranks else (seeing[0] if seeing else -1))
-    if requested is ReaderMode.NODE or (requested is ReaderMode.AUTO and len(nodes) > 1 and all(r >= 0 for r in node_readers)):
+    if requested is ReaderMode.NODE or (
+        requested is ReaderMode.AUTO and len(nodes) > 1 and all(r >= 0 for r in node_readers)
+    ):
         if any(r < 0 for r in node_readers):
             raise ValueError("readers='node' but some node has no rank that sees the checkpoint")
+        why = "trusting each node's copy" if requested is ReaderMode.NODE else "the same files"
         return ReaderChoice(
-            ReaderMode.NODE, f"{len(nodes)} nodes, each with a rank that sees the files", nodes, node_readers
+            ReaderMode.NODE, f"{len(nodes)} nodes, each with a rank that reads {why}", nodes, node_readers
         )
-    return ReaderChoice(ReaderMode.SRC, f"only {sum(sees)} of {world} ranks see the files", nodes)
+    copies = [r for r in range(world) if sees[r] and not same[r]]
+    if copies:
+        return ReaderChoice(
+            ReaderMode.SRC,
+            f"ranks {copies} see copies of the files, not the reader's own (other device or inode); "
+            "auto does not trust copies: pass readers='owners' or 'node' to read them",
+            nodes,
+        )
+    return ReaderChoice(ReaderMode.SRC, f"only {sum(same)} of {world} ranks see the reader's files", nodes)

@@ -23,6 +23,7 @@ from ..io.checkpoint import Checkpoint
 from ..io.sources import Source, as_source
 from ..model.layouts import check_placements
 from ..model.mapped import MappedShards, map_shards
+from ..model.missing import fill_uncovered, snapshot_real
 from ..model.offload import materialize_offloaded, offloads_to_cpu
 from ..model.specs import LayoutSpec, layout_specs, placement_for, placements_for, spec_digest
 from ..model.state import (
@@ -353,11 +354,16 @@ def _check_and_materialize(
         check_placements(t.name, getattr(targets[t.name], "placements", ()), len(t.shape))
     clock.mark("match")
     if is_meta(model):
+        # to_empty() replaces the real tensors too: keep those the file does not fill.
+        filled = {t.name for t in match.targets}
+        uncovered = [n for n in state.targets() if n not in filled]
+        saved = snapshot_real(model, uncovered)
         if offloads_to_cpu(model):  # FSDP2 CPU offload: the shards live on the CPU
             materialize_offloaded(model, device)
         else:
             materialize(model, device)
         local.unrestored = restore_buffers(model, state)
+        fill_uncovered(model, uncovered, saved, rank)
     rebind_ties(model, state.ties)
     clock.mark("materialize")
     local.tensors = [get_tensor(model, t.name) for t in match.targets]

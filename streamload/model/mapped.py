@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import math
 import mmap
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -83,11 +83,44 @@ def _spans_storage(local: torch.Tensor) -> bool:
     )
 
 
-def _file_bytes(ckpt: Checkpoint, index: int) -> torch.Tensor:
+# Beyond this many mappings in one load, shards are copied: the kernel's
+# per-process limit (vm.max_map_count, 65530 by default) is shared with
+# everything else the process maps.
+MAX_MAPPINGS = 16384
+
+
+def shard_view(ckpt: Checkpoint, index: int, offset: int, like: torch.Tensor) -> torch.Tensor:
+    """A copy-on-write view of the ``like.nbytes`` file bytes at ``offset``,
+    shaped like ``like``, whose storage is exactly those bytes.
+
+    One private mapping per shard (its start aligned down to the page): the
+    storage is the shard alone, so ``torch.save`` or pickling a parameter
+    writes its own bytes, not the whole file around it.
+
+    Args:
+        ckpt: the checkpoint this rank reads (its validated descriptors are mapped).
+        index: file index; offset: absolute byte offset of the shard in that file.
+        like: the local shard to replace (shape, dtype; contiguous).
+
+    Returns:
+        The view; it keeps its mapping alive.
+
+    Example:
+        >>> view = shard_view(ckpt, 0, info.offset, local)
+    """
     f = ckpt.files[index]
+    nbytes = like.numel() * like.element_size()
+    start = offset - offset % mmap.ALLOCATIONGRANULARITY
     # The descriptor is the one whose header was validated: no re-open by path.
-    view = mmap.mmap(f.fileno, f.file_size, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
-    return torch.frombuffer(view, dtype=torch.uint8)  # keeps the mapping alive
+    region = mmap.mmap(
+        f.fileno,
+        offset + nbytes - start,
+        flags=mmap.MAP_PRIVATE,
+        prot=mmap.PROT_READ | mmap.PROT_WRITE,
+        offset=start,
+    )
+    raw = torch.frombuffer(memoryview(region)[offset - start : offset - start + nbytes], dtype=torch.uint8)
+    return raw.view(like.dtype).view(like.shape)
 
 
 def fsdp_params(model: nn.Module) -> dict[int, Any] | None:
@@ -144,6 +177,7 @@ def map_shards(
     locals_: list[torch.Tensor],
     ckpt: Checkpoint,
     model: nn.Module,
+    want: Callable[[int], bool] = lambda i: True,
 ) -> MappedShards:
     """Replaces each mappable local shard by a view of the file.
 
@@ -153,30 +187,29 @@ def map_shards(
         locals_: their local shards; mapped entries are replaced in place.
         ckpt: the checkpoint this rank reads.
         model: the model (its FSDP2 state is re-pointed at the views).
+        want: whether target i may be mapped at all (the ``map_files`` policy).
 
     Returns:
         The mapped targets (their segments need no copy) and their bytes.
     """
     out = MappedShards()
     done = set()
-    files: dict[int, torch.Tensor] = {}  # file index -> its bytes, mapped once
     managed = fsdp_params(model)
     for i, (target, box, param) in enumerate(zip(targets, boxes, params, strict=True)):
         local = locals_[i]
+        if len(done) >= MAX_MAPPINGS:
+            break
         if not _spans_storage(local) or (managed is None and hasattr(param, "_local_tensor")):
+            continue
+        if not want(i):
             continue
         where = file_range(target, box, local.dtype, ckpt)
         if where is None or not ckpt.files[where[0]].mapped:
             continue
-        index, offset = where
-        if index not in files:
-            try:
-                files[index] = _file_bytes(ckpt, index)
-            except (OSError, ValueError):
-                continue  # a file system without private mappings: copy instead
-        view = torch.empty(0, dtype=local.dtype).set_(
-            files[index].untyped_storage(), offset // local.element_size(), local.shape, local.stride()
-        )
+        try:
+            view = shard_view(ckpt, where[0], where[1], local)
+        except (OSError, ValueError):
+            continue  # a file system without private mappings: copy instead
         if not _adopt(param, view, (managed or {}).get(id(param))):
             continue
         locals_[i] = view

@@ -1,0 +1,109 @@
+"""Tensors the checkpoint does not cover (``strict=False``): what was real
+before the load is kept, what was on meta is initialised, nothing is left as
+``to_empty()`` memory.
+
+``to_empty()`` replaces every tensor of a partly-meta model, the real ones
+too (accelerate's ``init_empty_weights(include_buffers=False)`` builds
+parameters on meta and buffers for real). Tensors the file fills are
+overwritten by the stream; the others are snapshotted before and put back
+after, or, when they were on meta, initialised the way transformers
+initialises missing weights.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..errors import KeyMismatchError
+from .state import get_tensor, local_tensor
+
+
+def snapshot_real(model: nn.Module, names: Iterable[str]) -> dict[str, torch.Tensor]:
+    """CPU clones of the local values of ``names`` that are not on meta.
+
+    Args:
+        model: the model, before ``to_empty()``.
+        names: parameters and persistent buffers the checkpoint does not fill.
+
+    Returns:
+        name -> a clone of this rank's local values (only the uncovered tensors: small).
+
+    Example:
+        >>> saved = snapshot_real(model, ["model.extra_bias"])
+    """
+    out = {}
+    for name in names:
+        t = local_tensor(get_tensor(model, name))
+        if not t.is_meta:
+            out[name] = t.detach().to("cpu", copy=True)
+    return out
+
+
+def _initializer(model: nn.Module, mod_name: str) -> Callable[[nn.Module], Any] | None:
+    """The nearest ``_init_weights`` at or above ``mod_name`` (a composite
+    model's sub-models initialise their own modules, as transformers does)."""
+    parts = mod_name.split(".") if mod_name else []
+    for cut in range(len(parts), -1, -1):
+        owner = model.get_submodule(".".join(parts[:cut]))
+        init = getattr(owner, "_init_weights", None)
+        if callable(init):
+            return init  # type: ignore[no-any-return]
+    return None
+
+
+@torch.no_grad()
+def fill_uncovered(
+    model: nn.Module, names: Iterable[str], saved: dict[str, torch.Tensor], rank: int | None = None
+) -> list[str]:
+    """After ``to_empty()``: puts ``saved`` back and initialises the rest of ``names``.
+
+    A module holding a meta tensor the file does not fill is initialised by
+    transformers' ``_init_weights`` (the nearest one above it) where the model
+    has one, else by its own ``reset_parameters``; the module's other tensors
+    are either streamed afterwards or restored from ``saved`` right after.
+
+    Args:
+        model: the materialised model.
+        names: parameters and persistent buffers the checkpoint does not fill.
+        saved: what ``snapshot_real`` kept of them before ``to_empty()``.
+        rank: this rank, for the error.
+
+    Returns:
+        The names that were initialised (rather than restored).
+
+    Raises:
+        KeyMismatchError: a tensor that was on meta, is not in the checkpoint and
+            has no initialiser (it would otherwise stay uninitialised memory).
+
+    Example:
+        >>> fill_uncovered(model, match_missing, saved)
+    """
+    names = list(names)
+    fresh = [n for n in names if n not in saved]
+    by_module: dict[str, list[str]] = {}
+    for name in fresh:
+        by_module.setdefault(name.rpartition(".")[0], []).append(name)
+    stuck: list[str] = []
+    for mod_name, members in by_module.items():
+        module = model.get_submodule(mod_name)
+        init = _initializer(model, mod_name)
+        if init is not None:
+            init(module)
+        elif callable(getattr(module, "reset_parameters", None)):
+            module.reset_parameters()
+        else:
+            stuck.extend(members)
+    if stuck:
+        raise KeyMismatchError(
+            f"{len(stuck)} tensors built on meta are not in the checkpoint and have no initialiser "
+            f"(no _init_weights, no reset_parameters): {stuck[:20]}; they would be uninitialised memory",
+            rank=rank,
+            missing=stuck,
+        )
+    for name, value in saved.items():
+        local_tensor(get_tensor(model, name)).copy_(value)
+    return fresh
