@@ -136,3 +136,24 @@ def case_mapped_storage(rank: int, world: int, *, ckpt: str, map_files: bool | s
         rows.append((name, nbytes, local.untyped_storage().nbytes(), len(buf.getvalue())))
     bad = compare_model(model, reference(ckpt, None))
     return {"rows": rows, "bytes_mapped": model.streamload_report.bytes_mapped, "bad": bad}
+
+
+def case_mapped_policy(rank: int, world: int, *, ckpt: str) -> dict | None:
+    """map_files="auto" (the default): trainable parameters are copies, frozen ones are mapped."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    mesh = mesh_for(world)
+    trained = streamload.from_pretrained(ckpt, device_mesh=mesh, progress=False, readers="owners")
+    config = AutoConfig.from_pretrained(ckpt)
+    with torch.device("meta"):
+        frozen = AutoModelForCausalLM.from_config(config, dtype=config.dtype)
+    frozen.requires_grad_(False)
+    _shard(frozen, mesh)
+    report = streamload.load_checkpoint(frozen, ckpt, device_mesh=mesh, progress=False, readers="owners")
+    ref = reference(ckpt, None)
+    return {
+        "trained_mapped": trained.streamload_report.bytes_mapped,
+        "frozen_mapped": report.bytes_mapped,
+        "payload": report.payload_bytes,
+        "bad": compare_model(trained, ref) + compare_model(frozen, ref),
+    }

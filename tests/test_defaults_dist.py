@@ -115,3 +115,12 @@ def test_mapped_parameter_owns_its_bytes(group: RankGroup, ckpts) -> None:
         for name, nbytes, storage, saved in r["rows"]:
             assert storage == nbytes, (name, nbytes, storage)
             assert abs(saved - nbytes) <= 0.01 * nbytes, (name, nbytes, saved)
+
+
+def test_default_maps_only_what_no_optimizer_writes(group: RankGroup, ckpts) -> None:
+    res = group.run(cases.case_mapped_policy, ckpt=ckpts["big"])
+    for r in res:
+        assert r["bad"] == [], r["bad"]
+        assert r["trained_mapped"] == 0, r  # requires_grad=True: private copies
+    # Frozen: most of the payload (every even row range of the file) is mapped views, all ranks together.
+    assert sum(r["frozen_mapped"] for r in res) > res[0]["payload"] // 2, res

@@ -25,7 +25,7 @@ def test_choice_and_reason_are_logged(tmp_path, caplog) -> None:
         dtype=torch.float32,
     )
     with caplog.at_level(logging.INFO, logger="streamload"):
-        model = streamload.from_pretrained(ckpt, progress=False)
+        model = streamload.from_pretrained(ckpt, progress=False, map_files=True)
     rep = model.streamload_report
     assert rep.reader == "src: single process"
     messages = [r.getMessage() for r in caplog.records if r.name == "streamload"]

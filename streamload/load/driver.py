@@ -34,7 +34,7 @@ def load_checkpoint(
     threads: int | None = None,
     read_mode: str = "auto",
     readers: str | ReaderMode = "auto",
-    map_files: bool = True,
+    map_files: bool | str = "auto",
     quantized: str = "dequantize",
     unexpected: str = "error",
 ) -> LoadReport:
@@ -60,12 +60,18 @@ def load_checkpoint(
         read_mode: "auto", "mmap" or "pread".
         readers: who reads (a ReaderMode or its name): "src" (``src_rank`` reads and scatters), "owners"
             (every rank reads its own shards, no transport), "node" (one reader per node scatters within
-            its node), or "auto" (the default: owners when every rank sees the same files, node when each
-            node has a rank that does, else src). The choice and the reason are in ``LoadReport.reader``.
+            its node), or "auto" (the default: owners when every rank opens the very same files - same
+            device, inode, size and mtime -, node when each node has a rank that does, else src).
+            "owners" and "node" trust that every reader's copy holds the reader's bytes (checked only
+            by size, header and sampled blocks); auto never trusts copies, as it cannot prove them equal
+            without reading them. The choice and the reason are in ``LoadReport.reader``.
         map_files: on the CPU, a shard this rank reads itself that is one contiguous run of one checkpoint
-            tensor in the parameter's dtype becomes a copy-on-write view of the file (as safetensors gives
-            CPU tensors) rather than a copy; the file is never written. False: private copies (choose it
-            if the files may be rewritten in place while the model lives).
+            tensor in the parameter's dtype can become a copy-on-write view of the file (owning exactly
+            its bytes) rather than a copy; the file is never written. "auto" (the default): only tensors
+            no optimizer writes (``requires_grad=False``: frozen weights, buffers), since a first in-place
+            update of a mapped page costs a copy-on-write fault; True: every mappable shard (inference);
+            False: private copies only (choose it if the files may be rewritten in place while the model
+            lives).
         quantized: for a quantized checkpoint (``quantization_config`` fp8 with ``weight_block_size``,
             or mxfp4; FP8 weights with ``weight_scale_inv`` siblings are detected without one):
             "dequantize" (default) writes ``values x scales`` into each rank's floating-point shard on

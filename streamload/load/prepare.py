@@ -6,6 +6,7 @@ import logging
 import os
 import time
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -60,6 +61,22 @@ OWNERS_CPU_BUCKET_BYTES = 1 << 30
 UNEXPECTED_CHOICES = ("error", "ignore")
 
 
+MAP_FILES = (True, False, "auto")
+
+
+def mapping_policy(map_files: bool | str, tensors: list[torch.Tensor]) -> Callable[[int], bool]:
+    """Which targets may become mapped views: all (True) or, under "auto", those
+    no optimizer writes (``requires_grad=False``: frozen weights, buffers).
+
+    Why "auto" copies trainable parameters: the first in-place update of a
+    mapped page is a copy-on-write fault, and load plus first step measured
+    slower mapped than copied on one rank (see the README's first-step column).
+    """
+    if map_files is True:
+        return lambda i: True
+    return lambda i: not tensors[i].requires_grad
+
+
 def default_bucket_bytes(device: torch.device) -> int:
     """Bytes per bucket when the caller does not say: 64 MiB on CPU, 256 MiB on GPUs."""
     return DEFAULT_CPU_BUCKET_BYTES if device.type == "cpu" else DEFAULT_BUCKET_BYTES
@@ -79,7 +96,7 @@ class LoadOptions:
     threads: int | None = None
     read_mode: str = "auto"
     readers: str | ReaderMode = ReaderMode.AUTO
-    map_files: bool = True
+    map_files: bool | str = "auto"
     quantized: str = "dequantize"
     unexpected: str = "error"
 
@@ -190,6 +207,8 @@ def prepare(
         raise ValueError("slots must be >= 1")
     if options.unexpected not in UNEXPECTED_CHOICES:
         raise ValueError(f"unexpected must be one of {UNEXPECTED_CHOICES}, not {options.unexpected!r}")
+    if options.map_files not in MAP_FILES or not isinstance(options.map_files, (bool, str)):
+        raise ValueError(f"map_files must be one of {MAP_FILES}, not {options.map_files!r}")
     group = resolve_group(options.process_group, options.device_mesh)
     rank = dist.get_rank() if group is not None else 0
     device = resolve_device(model, options.device_mesh, group)
@@ -299,7 +318,13 @@ def _plan_and_map(
     if options.map_files and device.type == "cpu" and isinstance(ckpt, Checkpoint) and local.mine:
         if group_rank in choice.reader_ranks(src_group_rank, world):
             mapped = map_shards(
-                plan.targets, [p.box for p in local.mine], local.tensors, locals_, ckpt, model
+                plan.targets,
+                [p.box for p in local.mine],
+                local.tensors,
+                locals_,
+                ckpt,
+                model,
+                mapping_policy(options.map_files, local.tensors),
             )
     fallbacks = FallbackSources(local.conversion, ckpt, model) if ckpt is not None else None
     shards = Shards(locals_, fallbacks, options.slots, options.progress, mapped.targets, local.quant)

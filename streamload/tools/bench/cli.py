@@ -9,7 +9,7 @@ from pathlib import Path
 
 from .runner import run_strategy
 from .strategies import STRATEGIES
-from .table import markdown_table, write_jsonl
+from .table import markdown_table, median_of, write_jsonl
 
 DEFAULT_STRATEGIES = [
     "streamload",
@@ -37,6 +37,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--bucket-mib", type=int, default=None)
     p.add_argument("--no-verify", action="store_true", help="skip the correctness pass")
+    p.add_argument(
+        "--repeat", type=int, default=1, help="runs per strategy; the table shows medians and min-max"
+    )
     p.add_argument("--out", default="bench_out/bench")
     p.add_argument("--ckpt-dir", default="/tmp/streamload_bench_ckpts")
 
@@ -59,17 +62,21 @@ def run(args: argparse.Namespace) -> int:
     rows = []
     for world in args.ranks:
         for strategy in args.strategies:
-            r = run_strategy(strategy, ckpt, world, dtype=args.dtype, verify=not args.no_verify, **opts)
-            row = {**r.to_dict(), "label": label}
-            rows.append(row)
-            status = "ok" if r.ok else f"FAILED ({r.error})"
-            print(
-                f"{label} ranks={world} {strategy}: {r.seconds:.2f}s, overhead {r.overhead_bytes / 2**20:.0f} MiB, "
-                f"correct={r.correct}, tie held={r.tie_held}: {status}",
-                flush=True,
-            )
+            for k in range(args.repeat):
+                r = run_strategy(strategy, ckpt, world, dtype=args.dtype, verify=not args.no_verify, **opts)
+                rows.append({**r.to_dict(), "label": label, "repeat": k})
+                status = "ok" if r.ok else f"FAILED ({r.error})"
+                print(
+                    f"{label} ranks={world} {strategy} #{k}: {r.seconds:.2f}s, "
+                    f"first step {r.first_step_seconds:.2f}s, overhead {r.overhead_bytes / 2**20:.0f} MiB, "
+                    f"correct={r.correct}, tie held={r.tie_held}: {status}",
+                    flush=True,
+                )
     write_jsonl(Path(args.out) / "results.jsonl", rows)
-    table = markdown_table(rows, ["label"])
+    groups: dict[tuple[int, str], list[dict]] = {}
+    for row in rows:
+        groups.setdefault((row["world"], row["strategy"]), []).append(row)
+    table = markdown_table([median_of(g) for g in groups.values()], ["label"])
     (Path(args.out) / "table.md").write_text(table + "\n")
     with open(Path(args.out) / "timelines.json", "w") as f:
         json.dump(
@@ -77,7 +84,9 @@ def run(args: argparse.Namespace) -> int:
         )
     from .plot import plot_timelines
 
-    png = plot_timelines(rows, Path(args.out) / "memory.png", title=f"loading {label}")
+    png = plot_timelines(
+        [r for r in rows if r.get("repeat", 0) == 0], Path(args.out) / "memory.png", title=f"loading {label}"
+    )
     print(table)
     print(f"wrote {Path(args.out) / 'results.jsonl'}, {Path(args.out) / 'table.md'}, {png}")
     return 0

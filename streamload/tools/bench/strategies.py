@@ -49,6 +49,30 @@ def load_streamload_owners(ckpt: str, mesh: Any, dtype: torch.dtype, opts: dict[
     )
 
 
+def load_streamload_owners_mapped(
+    ckpt: str, mesh: Any, dtype: torch.dtype, opts: dict[str, Any]
+) -> nn.Module:
+    """readers="owners" with every mappable shard a copy-on-write view of the file (map_files=True)."""
+    import streamload
+
+    kw = {k: opts[k] for k in ("bucket_bytes",) if k in opts}
+    return streamload.from_pretrained(
+        ckpt, device_mesh=mesh, dtype=dtype, progress=False, readers="owners", map_files=True, **kw
+    )
+
+
+def load_streamload_owners_copies(
+    ckpt: str, mesh: Any, dtype: torch.dtype, opts: dict[str, Any]
+) -> nn.Module:
+    """readers="owners" with private copies only (map_files=False)."""
+    import streamload
+
+    kw = {k: opts[k] for k in ("bucket_bytes",) if k in opts}
+    return streamload.from_pretrained(
+        ckpt, device_mesh=mesh, dtype=dtype, progress=False, readers="owners", map_files=False, **kw
+    )
+
+
 def load_streamload_auto(ckpt: str, mesh: Any, dtype: torch.dtype, opts: dict[str, Any]) -> nn.Module:
     """Every rank is given the path; streamload picks the reader mode."""
     import streamload
@@ -141,6 +165,8 @@ STRATEGIES: dict[str, Callable[[str, Any, torch.dtype, dict[str, Any]], nn.Modul
     "streamload": load_streamload,
     "streamload_owners": load_streamload_owners,
     "streamload_auto": load_streamload_auto,
+    "streamload_owners_mapped": load_streamload_owners_mapped,
+    "streamload_owners_copies": load_streamload_owners_copies,
     "rank0_broadcast": load_rank0_broadcast,
     "all_ranks": load_all_ranks,
     "accelerate_efficient": load_accelerate_efficient,

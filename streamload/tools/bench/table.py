@@ -16,6 +16,47 @@ def write_jsonl(path: str | Path, rows: Iterable[dict[str, Any]]) -> None:
             f.write(json.dumps({k: v for k, v in row.items() if k != "timeline"}) + "\n")
 
 
+def median_of(runs: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """One row from repeated runs of one strategy: the median run's figures
+    (by load time), with the median and the min-max spread of each timing.
+
+    Args:
+        runs: RunResult dicts of the same strategy, ranks and checkpoint.
+
+    Returns:
+        A row for ``markdown_table``; ``runs`` and ``*_spread`` say how many and how far apart.
+
+    Example:
+        >>> row = median_of([r1.to_dict(), r2.to_dict(), r3.to_dict()])
+    """
+    ok = [r for r in runs if r["ok"]]
+    if not ok:
+        return dict(runs[0])
+    ordered = sorted(ok, key=lambda r: r["seconds"])
+    row = dict(ordered[len(ordered) // 2])
+    for key in (
+        "seconds",
+        "touch_seconds",
+        "first_step_seconds",
+        "overhead_bytes",
+        "peak_anon_over_baseline",
+    ):
+        values = sorted(r.get(key, 0) for r in ok)
+        n = len(values)
+        row[key] = values[n // 2] if n % 2 else (values[n // 2 - 1] + values[n // 2]) / 2
+        row[key + "_spread"] = (values[0], values[-1])
+    row["runs"] = len(ok)
+    row["correct"] = all(r["correct"] for r in ok) if all(r["correct"] is not None for r in ok) else None
+    return row
+
+
+def _timing(d: dict[str, Any], key: str) -> str:
+    spread = d.get(key + "_spread")
+    if not spread or d.get("runs", 1) < 2:
+        return f"{d.get(key, 0.0):.2f}"
+    return f"{d[key]:.2f} ({spread[0]:.2f}-{spread[1]:.2f})"
+
+
 def _first_line(error: str | None) -> str:
     """A failure's gist for a table cell: its last line that names an error, else its first."""
     lines = [ln.strip() for ln in (error or "").splitlines() if ln.strip()]
@@ -34,6 +75,7 @@ def markdown_table(
         "strategy",
         "load s",
         "first touch s",
+        "first step s",
         "shards file-backed",
         "peak anon over baseline",
         "overhead (minus anon shards)",
@@ -79,8 +121,9 @@ def markdown_table(
                     *group,
                     str(d["world"]),
                     d["strategy"],
-                    f"{d['seconds']:.2f}",
+                    _timing(d, "seconds"),
                     f"{d.get('touch_seconds', 0.0):.2f}",
+                    _timing(d, "first_step_seconds"),
                     f"{d.get('file_backed_shard_bytes', 0) / MiB:.0f} MiB",
                     f"{d['peak_anon_over_baseline'] / MiB:.0f} MiB",
                     f"{d['overhead_bytes'] / MiB:.0f} MiB",
