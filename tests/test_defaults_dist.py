@@ -76,8 +76,8 @@ def ckpts(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
 def test_auto_does_not_mix_copies(group: RankGroup, ckpts) -> None:
     res = group.run(cases.case_copies, a=ckpts["a"], b=ckpts["b"], readers="auto")
     for r in res:
+        assert r["bad"] == [], (r["bad"], r["reader"])  # every rank has rank 0's copy, bit-exact
         assert r["reader"].startswith("src") and "copies" in r["reader"], r["reader"]
-        assert r["bad"] == [], r["bad"]  # every rank has rank 0's copy, bit-exact
 
 
 def test_owners_is_the_opt_in_that_trusts_copies(group: RankGroup, ckpts) -> None:
