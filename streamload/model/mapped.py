@@ -193,7 +193,7 @@ def map_shards(
         The mapped targets (their segments need no copy) and their bytes.
     """
     out = MappedShards()
-    done = set()
+    done: set[int] = set()
     managed = fsdp_params(model)
     for i, (target, box, param) in enumerate(zip(targets, boxes, params, strict=True)):
         local = locals_[i]

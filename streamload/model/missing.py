@@ -91,10 +91,11 @@ def fill_uncovered(
     for mod_name, members in by_module.items():
         module = model.get_submodule(mod_name)
         init = _initializer(model, mod_name)
+        reset = getattr(module, "reset_parameters", None)
         if init is not None:
             init(module)
-        elif callable(getattr(module, "reset_parameters", None)):
-            module.reset_parameters()
+        elif callable(reset):
+            reset()
         else:
             stuck.extend(members)
     if stuck:
