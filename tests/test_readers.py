@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from streamload.dist.readers import _first_difference, fingerprint
+from streamload.dist.readers import _first_difference, file_identity, fingerprint
 
 
 def _write(d: Path, seed: int) -> Path:
@@ -40,3 +40,17 @@ def test_copies_match_and_versions_do_not(tmp_path: Path) -> None:
     )
     assert fingerprint(tmp_path / "missing") is None
     assert _first_difference(None, fingerprint(v1)) == (None, "the checkpoint cannot be opened there")
+
+
+def test_file_identity_proves_the_same_file_not_a_copy(tmp_path: Path) -> None:
+    v1 = _write(tmp_path / "v1", 0)
+    copy = tmp_path / "copy"
+    shutil.copytree(v1, copy)  # copy2 keeps the mtime: only the inode tells it apart
+    linked = tmp_path / "linked"
+    linked.mkdir()
+    os.link(v1 / "model.safetensors", linked / "model.safetensors")
+    assert file_identity(v1) is not None
+    assert file_identity(v1) == file_identity(str(v1)) == file_identity(linked)  # the same file
+    assert file_identity(copy) != file_identity(v1)
+    assert fingerprint(copy) == fingerprint(v1)  # what auto used to trust
+    assert file_identity(tmp_path / "missing") is None and file_identity(None) is None

@@ -23,6 +23,7 @@ import hashlib
 import os
 import socket
 import struct
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
@@ -54,34 +55,47 @@ SAMPLES = 16  # data blocks hashed per file, evenly spaced
 SAMPLE_BYTES = 4096
 
 
+def _per_file(path: Any, describe: Callable[[Path], tuple]) -> tuple | None:
+    """``describe`` of each safetensors file at ``path`` (a file or a directory),
+    or None when this rank does not see the checkpoint."""
+    if path is None or not isinstance(path, (str, os.PathLike)):
+        return None
+    p = Path(path)
+    try:
+        files = [p] if p.is_file() else sorted(f for f in p.iterdir() if f.suffix == ".safetensors")
+        return tuple(describe(f) for f in files) or None
+    except OSError:
+        return None
+
+
+def _sampled_digest(f: Path) -> tuple:
+    size = f.stat().st_size
+    with open(f, "rb") as h:
+        head = h.read(8)
+        n = struct.unpack("<Q", head)[0] if len(head) == 8 else 0
+        digest = hashlib.sha1(head + h.read(min(n, 100_000_000)))
+        start = 8 + n
+        span = max(0, size - start - SAMPLE_BYTES)
+        for k in range(SAMPLES if size > start else 0):
+            h.seek(start + span * k // max(1, SAMPLES - 1))
+            digest.update(h.read(SAMPLE_BYTES))
+    return (f.name, size, digest.hexdigest())
+
+
 def fingerprint(path: Any) -> tuple | None:
     """(file name, size, sha1 of its header and of SAMPLES data blocks) per
     safetensors file, or None when this rank does not see the checkpoint.
 
     The sampled blocks tell apart two versions of one model, whose headers
     are the same; mtimes are left out on purpose (copies of the same files
-    on other nodes carry other mtimes). A few KiB read per file."""
-    if path is None or not isinstance(path, (str, os.PathLike)):
-        return None
-    p = Path(path)
-    try:
-        files = [p] if p.is_file() else sorted(f for f in p.iterdir() if f.suffix == ".safetensors")
-        out = []
-        for f in files:
-            size = f.stat().st_size
-            with open(f, "rb") as h:
-                head = h.read(8)
-                n = struct.unpack("<Q", head)[0] if len(head) == 8 else 0
-                digest = hashlib.sha1(head + h.read(min(n, 100_000_000)))
-                start = 8 + n
-                span = max(0, size - start - SAMPLE_BYTES)
-                for k in range(SAMPLES if size > start else 0):
-                    h.seek(start + span * k // max(1, SAMPLES - 1))
-                    digest.update(h.read(SAMPLE_BYTES))
-            out.append((f.name, size, digest.hexdigest()))
-        return tuple(out) or None
-    except OSError:
-        return None
+    on other nodes carry other mtimes). A few KiB read per file. Equal
+    fingerprints do not prove equal bytes: see ``file_identity``."""
+    return _per_file(path, _sampled_digest)
+
+
+def _identity(f: Path) -> tuple:
+    st = f.stat()
+    return (f.name, st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
 
 
 def file_identity(path: Any) -> tuple | None:
@@ -92,18 +106,7 @@ def file_identity(path: Any) -> tuple | None:
     (a hard link or another path to them included): the proof ``auto`` needs
     before letting ranks read their own bytes. A copy has another inode (or
     device, on another node), even when its mtime was preserved."""
-    if path is None or not isinstance(path, (str, os.PathLike)):
-        return None
-    p = Path(path)
-    try:
-        files = [p] if p.is_file() else sorted(f for f in p.iterdir() if f.suffix == ".safetensors")
-        out = []
-        for f in files:
-            st = f.stat()
-            out.append((f.name, st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns))
-        return tuple(out) or None
-    except OSError:
-        return None
+    return _per_file(path, _identity)
 
 
 def _first_difference(theirs: tuple | None, reference: tuple) -> tuple[str | None, str]:

@@ -43,34 +43,19 @@ def load_streamload_owners(ckpt: str, mesh: Any, dtype: torch.dtype, opts: dict[
     """Every rank reads its own shards (readers="owners"): no transport."""
     import streamload
 
-    kw = {k: opts[k] for k in ("bucket_bytes",) if k in opts}
+    kw = {k: opts[k] for k in ("bucket_bytes", "map_files") if k in opts}
     return streamload.from_pretrained(
         ckpt, device_mesh=mesh, dtype=dtype, progress=False, readers="owners", **kw
     )
 
 
-def load_streamload_owners_mapped(
-    ckpt: str, mesh: Any, dtype: torch.dtype, opts: dict[str, Any]
-) -> nn.Module:
-    """readers="owners" with every mappable shard a copy-on-write view of the file (map_files=True)."""
-    import streamload
+def _owners_with(map_files: bool) -> Callable[[str, Any, torch.dtype, dict[str, Any]], nn.Module]:
+    """readers="owners" with ``map_files`` forced: True maps every mappable shard, False copies all."""
 
-    kw = {k: opts[k] for k in ("bucket_bytes",) if k in opts}
-    return streamload.from_pretrained(
-        ckpt, device_mesh=mesh, dtype=dtype, progress=False, readers="owners", map_files=True, **kw
-    )
+    def load(ckpt: str, mesh: Any, dtype: torch.dtype, opts: dict[str, Any]) -> nn.Module:
+        return load_streamload_owners(ckpt, mesh, dtype, {**opts, "map_files": map_files})
 
-
-def load_streamload_owners_copies(
-    ckpt: str, mesh: Any, dtype: torch.dtype, opts: dict[str, Any]
-) -> nn.Module:
-    """readers="owners" with private copies only (map_files=False)."""
-    import streamload
-
-    kw = {k: opts[k] for k in ("bucket_bytes",) if k in opts}
-    return streamload.from_pretrained(
-        ckpt, device_mesh=mesh, dtype=dtype, progress=False, readers="owners", map_files=False, **kw
-    )
+    return load
 
 
 def load_streamload_auto(ckpt: str, mesh: Any, dtype: torch.dtype, opts: dict[str, Any]) -> nn.Module:
@@ -165,8 +150,8 @@ STRATEGIES: dict[str, Callable[[str, Any, torch.dtype, dict[str, Any]], nn.Modul
     "streamload": load_streamload,
     "streamload_owners": load_streamload_owners,
     "streamload_auto": load_streamload_auto,
-    "streamload_owners_mapped": load_streamload_owners_mapped,
-    "streamload_owners_copies": load_streamload_owners_copies,
+    "streamload_owners_mapped": _owners_with(True),
+    "streamload_owners_copies": _owners_with(False),
     "rank0_broadcast": load_rank0_broadcast,
     "all_ranks": load_all_ranks,
     "accelerate_efficient": load_accelerate_efficient,
