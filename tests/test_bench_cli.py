@@ -57,9 +57,11 @@ def test_bench_writes_json_table_and_plot(tmp_path: Path) -> None:
             "error",
             "file_backed_shard_bytes",
             "touch_seconds",
+            "first_step_seconds",
         }
         if r["ok"]:
             assert r["seconds"] > 0 and len(r["peak_rss"]) == 2 and all(x > 0 for x in r["peak_rss"])
+            assert r["first_step_seconds"] >= r["seconds"] + r["touch_seconds"] * 0.5
         else:
             assert r["error"]  # a failing strategy is reported, never hidden
     stream = rows[0]
@@ -91,3 +93,36 @@ def test_failed_cell_names_the_error() -> None:
 
     trace = "CheckpointException ranks:dict_keys([0])\nTraceback (most recent call last):\n  File x\nRuntimeError: Missing key in checkpoint state_dict: a|b.\n"
     assert _first_line(trace) == "RuntimeError: Missing key in checkpoint state_dict: a/b."
+
+
+def test_first_write_is_undone_exactly() -> None:
+    """The first-step pass writes every byte and the correctness pass still sees the load."""
+    import torch
+
+    from streamload.tools.bench.runner import _first_write
+
+    shards = [torch.randn(7, 5).to(torch.bfloat16), torch.tensor([255, 0, 7], dtype=torch.uint8)]
+    before = [t.clone() for t in shards]
+    _first_write(shards)
+    assert all(
+        not torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip(shards, before, strict=True)
+    )
+    _first_write(shards, -1)
+    assert all(
+        torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip(shards, before, strict=True)
+    )
+
+
+def test_repeats_give_medians_and_spread() -> None:
+    from streamload.tools.bench.table import markdown_table, median_of
+
+    runs = [
+        {"ok": True, "world": 2, "strategy": "s", "label": "x", "seconds": t, "first_step_seconds": t + 1,
+         "touch_seconds": 0.0, "overhead_bytes": 0, "peak_anon_over_baseline": 0, "correct": True,
+         "tie_held": None, "file_backed_shard_bytes": 0}
+        for t in (3.0, 1.0, 2.0)
+    ]  # fmt: skip
+    row = median_of(runs)
+    assert row["seconds"] == 2.0 and row["seconds_spread"] == (1.0, 3.0) and row["runs"] == 3
+    assert row["first_step_seconds"] == 3.0 and row["correct"] is True
+    assert "| x | 2 | s | 2.00 (1.00-3.00) | 0.00 | 3.00 (2.00-4.00) |" in markdown_table([row], ["label"])
