@@ -12,6 +12,7 @@ initialises missing weights.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -19,6 +20,7 @@ import torch
 from torch import nn
 
 from ..errors import KeyMismatchError
+from .hf import unsharded_classes
 from .state import get_tensor, local_tensor
 
 
@@ -55,6 +57,15 @@ def _initializer(model: nn.Module, mod_name: str) -> Callable[[nn.Module], Any] 
     return None
 
 
+def _guarded_init() -> contextlib.AbstractContextManager[Any]:
+    """transformers' guard that makes ``torch.nn.init`` respect ``_is_hf_initialized`` too."""
+    try:
+        from transformers import initialization as hf_init
+    except ImportError:
+        return contextlib.nullcontext()
+    return hf_init.guard_torch_init_functions()  # type: ignore[no-any-return]
+
+
 @torch.no_grad()
 def fill_uncovered(
     model: nn.Module, names: Iterable[str], saved: dict[str, torch.Tensor], rank: int | None = None
@@ -88,16 +99,25 @@ def fill_uncovered(
     for name in fresh:
         by_module.setdefault(name.rpartition(".")[0], []).append(name)
     stuck: list[str] = []
-    for mod_name, members in by_module.items():
-        module = model.get_submodule(mod_name)
-        init = _initializer(model, mod_name)
-        reset = getattr(module, "reset_parameters", None)
-        if init is not None:
-            init(module)
-        elif callable(reset):
-            reset()
-        else:
-            stuck.extend(members)
+    with unsharded_classes(model), _guarded_init():
+        for mod_name, members in by_module.items():
+            module = model.get_submodule(mod_name)
+            init = _initializer(model, mod_name)
+            reset = getattr(module, "reset_parameters", None)
+            if init is not None:
+                # transformers' init skips tensors flagged as initialised: flag this module's
+                # other tensors (streamed or restored afterwards), unflag the missing ones.
+                attrs = {n.rpartition(".")[2] for n in members}
+                for attr, t in [*module._parameters.items(), *module._buffers.items()]:
+                    if t is not None:
+                        t._is_hf_initialized = attr not in attrs  # type: ignore[attr-defined]
+                init(module)
+                for attr in attrs:
+                    get_tensor(module, attr)._is_hf_initialized = True  # type: ignore[attr-defined]
+            elif callable(reset):
+                reset()
+            else:
+                stuck.extend(members)
     if stuck:
         raise KeyMismatchError(
             f"{len(stuck)} tensors built on meta are not in the checkpoint and have no initialiser "
