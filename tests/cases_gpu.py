@@ -4,6 +4,7 @@ status flags on a gloo side group, and FSDP2 CPU offload on a CPU mesh."""
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import torch
@@ -125,6 +126,39 @@ def case_fake_stager(rank: int, world: int, *, ckpt: str, ws: int, readers: str)
     assert not bad, f"differ from transformers: {bad}"
     assert tied(model) == tied(ref)
     return {"log": list(FakeBackend.LOG), "buckets": model.streamload_report.buckets}
+
+
+def case_staging_alloc_fails(
+    rank: int, world: int, *, ckpt: str, ws: int, readers: str, fail: int
+) -> str | None:
+    """Page-locking the staging slots fails on rank ``fail`` only: every rank must raise
+    (the allocation is agreed on before the first bucket), none may wait in a collective."""
+    mesh = mesh_for(ws)
+    if mesh is None:
+        return None
+    from streamload.load import prepare
+
+    class Failing(FakeBackend):
+        def host_buffer(self, n: int) -> Any:
+            if rank == fail:
+                raise RuntimeError("cudaHostRegister refused (simulated)")
+            return super().host_buffer(n)
+
+    staging.BACKENDS["cpu"] = Failing
+    coarse, prepare.OWNERS_CPU_BUCKET_BYTES = prepare.OWNERS_CPU_BUCKET_BYTES, 0
+    t0 = time.perf_counter()
+    try:
+        path = ckpt if readers == "owners" or rank == 0 else MISSING_PATH
+        streamload.from_pretrained(
+            path, device_mesh=mesh, bucket_bytes=2048, progress=False, readers=readers, map_files=False
+        )
+    except Exception as exc:  # noqa: BLE001 - the test inspects it
+        assert time.perf_counter() - t0 < 60
+        return f"{type(exc).__name__}: {exc}"
+    finally:
+        del staging.BACKENDS["cpu"]
+        prepare.OWNERS_CPU_BUCKET_BYTES = coarse
+    return "loaded"
 
 
 def _counting_new_group(calls: list[Any]) -> Any:

@@ -152,6 +152,16 @@ def test_staged_pipeline_reuses_no_slot_early(group: RankGroup, ckpt: str, reade
         assert rec["released"] and rec["unobserved"] == 0, rec
 
 
+@pytest.mark.parametrize("readers,ws,fail", [("owners", 3, 1), ("src", 3, 0)])
+def test_staging_that_fails_to_allocate_on_one_rank_raises_on_every_rank(
+    group: RankGroup, ckpt: str, readers: str, ws: int, fail: int
+) -> None:
+    res = group.run(cases.case_staging_alloc_fails, ckpt=ckpt, ws=ws, readers=readers, fail=fail)
+    for r in res[:ws]:
+        assert r is not None and r != "loaded", res
+        assert "cudaHostRegister refused" in r, res
+
+
 def test_status_flags_on_a_side_group_per_load(group: RankGroup, ckpt: str) -> None:
     res = group.run(cases.case_side_group, ckpt=ckpt, loads=3)
     for r in res:

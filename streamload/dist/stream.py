@@ -4,6 +4,7 @@ shards from the files). Both carry the per-bucket error protocol."""
 
 from __future__ import annotations
 
+import warnings
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
@@ -11,12 +12,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .pack import Packer, StagingRing
+from ..io.sources import Source
 from ..plan.buckets import Plan
+from ..report import progress_enabled
+from .pack import Packer, StagingRing
 from .protocol import StatusRoute, gather_or_raise, open_status_route
 from .staging import Stager, open_stager, settle
-from ..report import progress_enabled
-from ..io.sources import Source
 from .transport import Transport
 from .unpack import unpack
 
@@ -72,7 +73,9 @@ def scatter(
         else None
     )
     status = status or open_status_route(group, device, create=False)
-    peak = _stream(plan, group_rank, src_rank, group, device, packer, shards.locals_, slots, shards.progress, status)
+    peak = _stream(
+        plan, group_rank, src_rank, group, device, packer, shards.locals_, slots, shards.progress, status
+    )
     return peak, packer.bytes_read if packer is not None else 0
 
 
@@ -103,11 +106,16 @@ def read_owned(
     packer = Packer(source, plan, locals_, shards.fallbacks, shards.skip, shards.quant)
     bar = _progress_bar(sum(s.nbytes for b in plan.buckets for s in b.segments[row]), shards.progress)
     stager: Stager | None = None
-    if plan.buckets:
-        # Shards on the CPU (FSDP2 offload too) are filled in place: nothing stages there.
-        on_cpu = all(t.device.type == "cpu" for t in locals_)
-        at = torch.device("cpu") if on_cpu else device
-        stager = open_stager(at, max(shards.slots, 2), plan.max_rank_bucket_bytes(row))
+    allocation: BaseException | None = None
+    try:
+        if plan.buckets:
+            # Shards on the CPU (FSDP2 offload too) are filled in place: nothing stages there.
+            on_cpu = all(t.device.type == "cpu" for t in locals_)
+            at = torch.device("cpu") if on_cpu else device
+            stager = open_stager(at, max(shards.slots, 2), plan.max_rank_bucket_bytes(row))
+    except BaseException as exc:  # noqa: BLE001 - every rank must hear of it
+        allocation = exc
+    _agree_on_buffers(check, allocation, [stager], group_rank, group, device)
     if stager is None:
         plan.set_direct(row)
     failure: BaseException | None = None
@@ -138,8 +146,7 @@ def read_owned(
     finally:
         if bar is not None:
             bar.close()
-        if stager is not None:
-            stager.close()
+        _close_quietly(stager)
     return (stager.peak_bytes if stager else 0), packer.bytes_read
 
 
@@ -159,27 +166,28 @@ def _stream(
     transport = Transport(group, src_rank, device)
     ring: StagingRing | None = None
     stager: Stager | None = None
-    if packer is not None and plan.buckets:
-        nslots = min(slots, len(plan.buckets))
-        stager = open_stager(device, nslots, plan.max_bucket_bytes)
-        if stager is None:
-            ring = StagingRing(nslots, plan.max_bucket_bytes)
-        packer.bytes_read = 0
+    check = status.check()
     recv_len = plan.max_rank_bucket_bytes(transport.rank)
     # Receivers hold one receive buffer (the memory contract); the reader keeps
     # `slots` buckets in flight so packing k+1 overlaps the transport of k.
     depth = max(1, min(slots, len(plan.buckets))) if packer is not None else 1
+    recv_ring: list[torch.Tensor] = []
+    allocation: BaseException | None = None
     try:
+        if packer is not None and plan.buckets:
+            nslots = min(slots, len(plan.buckets))
+            stager = open_stager(device, nslots, plan.max_bucket_bytes)
+            if stager is None:
+                ring = StagingRing(nslots, plan.max_bucket_bytes)
+            packer.bytes_read = 0
         recv_ring = [
             torch.empty(recv_len, dtype=torch.uint8, device=device) for _ in range(depth if recv_len else 1)
         ]
-    except BaseException:
-        if stager is not None:
-            stager.close()  # its host slots are page-locked: never leave them so
-        raise
+    except BaseException as exc:  # noqa: BLE001 - every rank must hear of it
+        allocation = exc
+    _agree_on_buffers(check, allocation, [stager], transport.rank, group, device)
     bar = _progress_bar(plan.payload_bytes, progress) if packer is not None else None
     inflight: deque[tuple[int, torch.Tensor, Any]] = deque()
-    check = status.check()
     failure: BaseException | None = None
 
     def finish(unpack_it: bool = True) -> None:
@@ -237,7 +245,37 @@ def _stream(
     finally:
         if bar is not None:
             bar.close()
-        if stager is not None:
-            stager.close()  # waits for its copies, unregisters its host slots
+        _close_quietly(stager)  # waits for its copies, unregisters its host slots
         # The receive buffers go back to torch's caching allocator (never empty_cache()).
         del recv_ring
+
+
+def _agree_on_buffers(
+    check: Any,
+    failure: BaseException | None,
+    stagers: list[Stager | None],
+    rank: int,
+    group: dist.ProcessGroup | None,
+    device: torch.device,
+) -> None:
+    """One status exchange after the staging and receive buffers are allocated:
+    an allocation that fails on one rank (out of memory, page-locking refused)
+    is raised on every rank, before any rank enters the first bucket's collective."""
+    if not check.any_failed(failure is not None):
+        return
+    for stager in stagers:
+        _close_quietly(stager)  # page-locked host slots are never left behind
+    gather_or_raise(None, failure, rank, group, device)
+    raise RuntimeError("unreachable: a failure was signalled but none was gathered")
+
+
+def _close_quietly(stager: Stager | None) -> None:
+    """Gives the staging buffers back; a failure to do so is a warning, not an error,
+    because it happens after the ranks agreed that the load succeeded (raising on
+    this rank alone would leave the ranks disagreeing on the outcome)."""
+    if stager is None:
+        return
+    try:
+        stager.close()
+    except Exception as exc:  # noqa: BLE001 - see the docstring
+        warnings.warn(f"streamload: staging buffers could not be released: {exc}", stacklevel=2)
