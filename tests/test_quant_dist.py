@@ -114,3 +114,11 @@ def test_fp8_tensors_into_fp8_params(group: RankGroup, ckpts: dict[str, str], re
 
 def test_checkpoint_opened_before_fork_reads_in_the_child(group: RankGroup, ckpts: dict[str, str]) -> None:
     group.run(cases.case_fork_child_reads, ckpt=ckpts["fp8_dense"])
+
+
+@pytest.mark.parametrize("readers", ["src", "owners"])
+def test_quantized_fallback_dequantizes_its_inputs(group: RankGroup, ckpts: dict[str, str], readers: str) -> None:
+    """A converter op with no streaming form (forced here) runs transformers'
+    op on dequantized inputs: fp8 scales are applied, the experts bit-exact."""
+    res = group.run(cases.case_quantized_fallback, ckpt=ckpts["fp8_moe"], ws=3, readers=readers)
+    assert res[0]["fallbacks"] >= 2  # gate_up_proj and down_proj of the MoE layer

@@ -17,8 +17,8 @@ from ..dist.protocol import gather_or_raise
 from ..dist.readers import ReaderChoice, ReaderMode, choose
 from ..dist.stream import Shards
 from ..errors import KeyMismatchError
-from ..io._native import default_threads
 from ..io.checkpoint import Checkpoint
+from ..io.copy_ops import worker_threads
 from ..io.sources import Source, as_source
 from ..model.mapped import MappedShards, map_shards
 from ..model.offload import materialize_offloaded, offloads_to_cpu
@@ -198,7 +198,7 @@ def prepare(
                 plan.targets, [p.box for p in local.mine], local.tensors, locals_, ckpt, model
             )
     clock.mark("plan")
-    fallbacks = FallbackSources(local.conversion, ckpt, model) if ckpt is not None else None
+    fallbacks = FallbackSources(local.conversion, ckpt, model, local.quant) if ckpt is not None else None
     shards = Shards(locals_, fallbacks, options.slots, options.progress, mapped.targets, local.quant)
     return Prepared(
         model, options, clock, state, group, device, rank, group_rank, src_group_rank, choice, meta, ckpt,
@@ -263,6 +263,6 @@ def _check_and_materialize(
         if threads is None and mode is ReaderMode.OWNERS and choice.nodes:
             # Ranks of a node read at once: share its cores rather than oversubscribe them.
             on_node = next(len(ranks) for ranks in choice.nodes if group_rank in ranks)
-            threads = max(1, default_threads() // on_node)
+            threads = max(1, worker_threads() // on_node)
         local.source = as_source(path, options.read_mode, threads)
         check_same_table(local.source, meta.table)
