@@ -177,7 +177,12 @@ def case_quantized_fallback(rank: int, world: int, *, ckpt: str, ws: int, reader
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             model = streamload.from_pretrained(
-                ckpt, device_mesh=mesh, dtype=torch.bfloat16, bucket_bytes=20000, progress=False, readers=readers
+                ckpt,
+                device_mesh=mesh,
+                dtype=torch.bfloat16,
+                bucket_bytes=20000,
+                progress=False,
+                readers=readers,
             )
     finally:
         convert.apply_ops_symbolically = original

@@ -123,7 +123,9 @@ def test_checkpoint_opened_before_fork_reads_in_the_child(group: RankGroup, ckpt
 
 
 @pytest.mark.parametrize("readers", ["src", "owners"])
-def test_quantized_fallback_dequantizes_its_inputs(group: RankGroup, ckpts: dict[str, str], readers: str) -> None:
+def test_quantized_fallback_dequantizes_its_inputs(
+    group: RankGroup, ckpts: dict[str, str], readers: str
+) -> None:
     """A converter op with no streaming form (forced here) runs transformers'
     op on dequantized inputs: fp8 scales are applied, the experts bit-exact."""
     res = group.run(cases.case_quantized_fallback, ckpt=ckpts["fp8_moe"], ws=3, readers=readers)
@@ -139,4 +141,6 @@ def test_fp8_ceil_grid_without_configured_block_matches_transformers(
     cfg = json.loads((Path(ckpts["fp8_ragged"]) / "config.json").read_text())
     assert "weight_block_size" not in cfg["quantization_config"]
     for ws in (2, 3):
-        group.run(cases.case_quantized, ckpt=ckpts["fp8_ragged"], ws=ws, dtype=torch.bfloat16, readers=readers)
+        group.run(
+            cases.case_quantized, ckpt=ckpts["fp8_ragged"], ws=ws, dtype=torch.bfloat16, readers=readers
+        )
