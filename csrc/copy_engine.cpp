@@ -19,10 +19,6 @@
 namespace streamload {
 namespace {
 
-// Work is split so that each piece moves about this many destination bytes:
-// large enough to amortise dispatch, small enough to balance two cores.
-constexpr int64_t kPieceBytes = 4 << 20;
-
 // Regions after merging dims that are contiguous in both source and dest.
 struct Region {
   int ndim;
@@ -362,7 +358,7 @@ uint64_t CopyEngine::execute(const std::vector<const MappedFile*>& files, const 
     int64_t row = di;  // destination bytes per index of the outer dim
     for (int k = 1; k < r.ndim; ++k) row *= r.shape[k];
     total += static_cast<uint64_t>(numel(op)) * dtype_itemsize(static_cast<DType>(op.src_dtype));
-    int64_t step = std::max<int64_t>(1, kPieceBytes / std::max<int64_t>(row, 1));
+    int64_t step = piece_rows(row);
     for (int64_t b = 0; b < r.shape[0]; b += step) {
       Piece p{i, r, op.src_offset + b * r.ss[0], op.dst_offset + b * r.ds[0]};
       p.region.shape[0] = std::min(step, r.shape[0] - b);

@@ -16,6 +16,17 @@
 
 namespace streamload {
 
+// Work is split so that each piece moves about this many destination bytes:
+// large enough to amortise dispatch, small enough to balance two cores. The
+// copy engine and the dequant ops split alike.
+constexpr int64_t kPieceBytes = 4 << 20;
+
+// Outer indices per piece when one index moves ``row_bytes`` destination bytes.
+inline int64_t piece_rows(int64_t row_bytes) {
+  int64_t n = kPieceBytes / (row_bytes > 1 ? row_bytes : 1);
+  return n > 1 ? n : 1;
+}
+
 constexpr int kMaxDims = 8;
 
 // One op as it crosses the boundary: a row of int64 in a (n, kOpFields) array.

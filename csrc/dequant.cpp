@@ -10,15 +10,12 @@
 namespace streamload {
 namespace {
 
-// Pieces move about this many destination bytes each (as in copy_engine).
-constexpr int64_t kPieceBytes = 4 << 20;
-
 bool overflow_mul(int64_t a, int64_t b, int64_t* out) { return __builtin_mul_overflow(a, b, out); }
 
 int64_t cdiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
 struct Lut {
-  float e4m3[256], e5m2[256], e2m1[16], pow2[256];
+  float e4m3[256], e5m2[256], e2m1[16], pow2[256], e8m0[256];
   Lut() {
     for (int i = 0; i < 256; ++i) {
       e4m3[i] = f8e4m3_to_f32(static_cast<uint8_t>(i));
@@ -26,7 +23,12 @@ struct Lut {
       // torch.ldexp(x, e) is x * pow(2, e) with the power formed in float32:
       // 2^-127 is a float32 subnormal, 2^128 overflows to inf.
       pow2[i] = std::ldexp(1.0f, i - 127);
+      e8m0[i] = pow2[i];
     }
+    // torch widens float8_e8m0fnu 0xFF to the NaN 0x7F800001 (exponent bits
+    // shifted in, mantissa 1), not to nanf(""): products carry its payload.
+    const uint32_t kE8m0Nan = 0x7F800001u;
+    std::memcpy(&e8m0[255], &kE8m0Nan, 4);
     static const float kE2m1[16] = {0.0f,  0.5f,  1.0f,  1.5f,  2.0f,  3.0f,  4.0f,  6.0f,
                                     -0.0f, -0.5f, -1.0f, -1.5f, -2.0f, -3.0f, -4.0f, -6.0f};
     std::memcpy(e2m1, kE2m1, sizeof(e2m1));
@@ -55,10 +57,7 @@ inline float load_scale(DType t, const char* p) {
     case DType::F32: { float f; std::memcpy(&f, p, 4); return f; }
     case DType::BF16: { uint16_t h; std::memcpy(&h, p, 2); return bf16_to_f32(h); }
     case DType::F16: { uint16_t h; std::memcpy(&h, p, 2); return f16_to_f32(h); }
-    case DType::F8_E8M0: {
-      uint8_t b = static_cast<uint8_t>(*p);
-      return b == 0xFF ? std::nanf("") : lut().pow2[b];
-    }
+    case DType::F8_E8M0: return lut().e8m0[static_cast<uint8_t>(*p)];
     default: return lut().pow2[static_cast<uint8_t>(*p)];
   }
 }
@@ -197,6 +196,16 @@ void run_piece(const DequantOp& op, const Geometry& g, const Piece& p, const cha
           float out = eb == 0xFF ? std::ldexp(v, 128) : v * sc;
           store(dst + (drow + (c - op.c0) * op.dst_stride_c) * g.d_isz, out);
         }
+      } else if (std::isnan(sc)) {
+        // A NaN scale: torch's product is the scale's NaN, quieted, even when
+        // the value is a NaN too (its kernel puts the scale first); C++'s
+        // x * sc may keep x's payload instead, so it is not left to the compiler.
+        uint32_t bits;
+        std::memcpy(&bits, &sc, 4);
+        bits |= 0x00400000u;
+        float q;
+        std::memcpy(&q, &bits, 4);
+        for (; c < cend; ++c) store(dst + (drow + (c - op.c0) * op.dst_stride_c) * g.d_isz, q);
       } else {
         for (; c < cend; ++c) store(dst + (drow + (c - op.c0) * op.dst_stride_c) * g.d_isz, wl[wrow[c]] * sc);
       }
@@ -253,7 +262,7 @@ uint64_t dequantize(ThreadPool& pool, const std::vector<const MappedFile*>& file
     if (op.nb == 0 || op.nr == 0 || op.nc == 0) continue;
     for (int64_t f : {op.w_file, op.s_file})
       if (f >= 0 && files[static_cast<size_t>(f)]->mapped()) any_mapped = true;
-    int64_t step = std::max<int64_t>(1, kPieceBytes / std::max<int64_t>(op.nc * geos[i].d_isz, 1));
+    int64_t step = piece_rows(op.nc * geos[i].d_isz);
     // Pieces start on scale-block rows where they can, so no scale row is read twice.
     if (step > op.block_r) step -= step % op.block_r;
     for (int64_t b = op.b0; b < op.b0 + op.nb; ++b) {

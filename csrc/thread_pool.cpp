@@ -1,36 +1,73 @@
 #include "thread_pool.h"
 
-#include <unistd.h>
+#include <pthread.h>
+
+#include <unordered_set>
 
 namespace streamload {
 
-ThreadPool::ThreadPool(size_t threads) : threads_(threads ? threads : 1), pid_(getpid()) { start(); }
+namespace {
+
+// Every live pool, so the fork child handler can reset them. Leaked on
+// purpose: a pool may be destroyed after static destructors have run.
+struct Registry {
+  std::mutex mu;
+  std::unordered_set<ThreadPool*> pools;
+};
+
+Registry& registry() {
+  static Registry* r = new Registry;
+  return *r;
+}
+
+}  // namespace
+
+void ThreadPool::atfork_prepare() { registry().mu.lock(); }  // no pool is added or removed across fork
+void ThreadPool::atfork_parent() { registry().mu.unlock(); }
+
+void ThreadPool::atfork_child() {
+  // The child has one thread here (the forking one, which holds the lock).
+  for (ThreadPool* p : registry().pools) p->reset_in_child();
+  registry().mu.unlock();
+}
+
+void ThreadPool::register_pool(ThreadPool* pool, bool add) {
+  static std::once_flag once;
+  std::call_once(once, [] { pthread_atfork(&atfork_prepare, &atfork_parent, &atfork_child); });
+  std::lock_guard<std::mutex> lk(registry().mu);
+  if (add)
+    registry().pools.insert(pool);
+  else
+    registry().pools.erase(pool);
+}
+
+ThreadPool::ThreadPool(size_t threads) : threads_(threads ? threads : 1) {
+  st_ = std::make_unique<State>();
+  register_pool(this, true);
+  start();
+}
 
 void ThreadPool::start() {
-  st_ = std::make_unique<State>();
-  workers_.clear();
+  // Under the registry lock: a fork never sees workers_ half-written.
+  std::lock_guard<std::mutex> lk(registry().mu);
   State* st = st_.get();
   for (size_t i = 1; i < threads_; ++i) workers_.emplace_back([st] { worker_loop(st); });
 }
 
-void ThreadPool::after_fork() {
+void ThreadPool::reset_in_child() {
   // The parent's threads do not exist here: joining them would wait forever
   // and destroying a joinable std::thread aborts, so their handles are
   // leaked on purpose, and so is the state (its mutexes may be locked by a
   // thread that is gone).
   new std::vector<std::thread>(std::move(workers_));
+  workers_.clear();
   (void)st_.release();
-  pid_ = getpid();
-  start();
+  st_ = std::make_unique<State>();
+  need_start_ = true;
 }
 
 ThreadPool::~ThreadPool() {
-  if (getpid() != pid_) {
-    // A child that never ran: the workers belong to the parent.
-    new std::vector<std::thread>(std::move(workers_));
-    (void)st_.release();
-    return;
-  }
+  register_pool(this, false);
   {
     std::lock_guard<std::mutex> lk(st_->mu);
     st_->stop = true;
@@ -73,9 +110,12 @@ void ThreadPool::worker_loop(State* st) {
 
 void ThreadPool::run(size_t n, const std::function<void(size_t)>& task) {
   if (n == 0) return;
-  if (getpid() != pid_) after_fork();
   State* st = st_.get();
   std::lock_guard<std::mutex> run_lock(st->run_mu);
+  if (need_start_) {  // first run in a forked child: under the run lock, so once
+    start();
+    need_start_ = false;
+  }
   {
     std::lock_guard<std::mutex> lk(st->mu);
     st->task = &task;

@@ -2,12 +2,12 @@
 // The calling thread works too, so a pool of one thread spawns nothing.
 //
 // Fork-safe: a child of fork() has none of the parent's workers, and the
-// pool's mutexes may have been held by one of them at the fork. The pool
-// notices the new pid on its next run() (or destruction), abandons the old
-// threads and locks without touching them, and starts fresh workers.
+// pool's mutexes may have been held by one of them at the fork. A
+// pthread_atfork child handler (run while the child still has one thread)
+// gives every live pool fresh state and abandons the old threads and locks
+// without touching them; the next run() starts fresh workers under the run
+// lock, so two threads of the child calling run() at once start them once.
 #pragma once
-
-#include <sys/types.h>
 
 #include <atomic>
 #include <condition_variable>
@@ -50,14 +50,20 @@ class ThreadPool {
   };
 
   void start();
-  void after_fork();
+  void reset_in_child();
+  static void register_pool(ThreadPool* pool, bool add);
+  static void atfork_prepare();
+  static void atfork_parent();
+  static void atfork_child();
   static void worker_loop(State* st);
   static void drain(State* st);
 
   size_t threads_;
-  pid_t pid_;
   std::unique_ptr<State> st_;
+  // Workers, written only by the constructor, by run() under st_->run_mu, and
+  // by the single-threaded fork child handler.
   std::vector<std::thread> workers_;
+  bool need_start_ = false;  // set in a forked child: run() starts the workers
 };
 
 }  // namespace streamload

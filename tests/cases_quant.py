@@ -155,3 +155,40 @@ def case_keep_quantized(rank: int, world: int, *, ckpt: str, ws: int, readers: s
         assert torch.equal(bits(local), bits(region)), name
     assert n_fp8 > 0
     return {"fp8": n_fp8}
+
+
+def case_quantized_fallback(rank: int, world: int, *, ckpt: str, ws: int, readers: str) -> dict | None:
+    """Every converter forced onto transformers' own ops (the fallback): its
+    quantized inputs are read dequantized, so the model is still bit-exact."""
+    import warnings
+
+    from streamload.plan import convert
+
+    mesh = mesh_for(ws)
+    if mesh is None:
+        return None
+
+    def not_streamable(*args: object, **kwargs: object) -> dict:
+        raise convert.NotStreamable("forced by the test")
+
+    original = convert.apply_ops_symbolically
+    convert.apply_ops_symbolically = not_streamable  # type: ignore[assignment]
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            model = streamload.from_pretrained(
+                ckpt,
+                device_mesh=mesh,
+                dtype=torch.bfloat16,
+                bucket_bytes=20000,
+                progress=False,
+                readers=readers,
+            )
+    finally:
+        convert.apply_ops_symbolically = original
+    converted = model.streamload_report.converted
+    fallbacks = [k for k, v in converted.items() if v.startswith("fallback")]
+    assert any(k.endswith("experts.gate_up_proj") for k in fallbacks), converted
+    bad = compare_model(model, reference(ckpt, torch.bfloat16))
+    assert not bad, f"differ from transformers: {bad}"
+    return {"fallbacks": len(fallbacks)}

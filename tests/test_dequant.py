@@ -307,3 +307,18 @@ def test_mxfp4_from_files(tmp_path: Path, mode: str) -> None:
     _run([_op("mxfp4", (0, bb, be - bb, "U8"), (0, sb, se - sb, "U8"), out, (n_exp, rows, hidden), (1, 32),
               dst_strides=(hidden * rows, 1, rows))], files=[sf])  # fmt: skip
     _same(out, ref, torch.int32)
+
+
+@pytest.mark.parametrize(("dtype", "name", "bits"), OUT)
+def test_fp8_e8m0_scales_all_256_values_match_torch(dtype: torch.dtype, name: str, bits: torch.dtype) -> None:
+    """Every float8_e8m0fnu scale byte, 0xFF (NaN, widened by torch to
+    0x7F800001) included, times fp8 values (a NaN among them): the products'
+    bits, NaN payloads included, are torch's and transformers'."""
+    s = torch.arange(256, dtype=torch.uint8).view(torch.float8_e8m0fnu).reshape(256, 1)
+    w = torch.tensor([0x38, 0xC0, 0x00, 0x80, 0x7F, 0x01], dtype=torch.uint8)  # 1, -2, +-0, NaN, subnormal
+    w = w.repeat(256, 1).view(torch.float8_e4m3fn)
+    out = torch.empty(256, 6, dtype=dtype)
+    _run([_op("fp8_block", _mem(w, "F8_E4M3"), _mem(s, "F8_E8M0"), out, (1, 256, 6), (1, 6))])
+    want = (w.to(torch.float32) * s.to(torch.float32)).to(dtype)
+    _same(out, want, bits)
+    _same(out, Fp8Dequantize(None)._dequantize_one(w, s, output_dtype=dtype), bits)

@@ -180,16 +180,34 @@ def test_fsdp2_cpu_offload_returns_finished_copies(mesh, ckpts) -> None:
 
     import streamload
     from streamload.integrations.pretrained import default_shard_fn
+    from streamload.io.copy_ops import bit_view
 
     ckpt = ckpts["dense"]
+    # The reference is built first: building it after the load would give
+    # in-flight device-to-host copies time to finish and hide a missing sync.
+    ref = dict(_reference(ckpt, None).named_parameters())
     config = AutoConfig.from_pretrained(ckpt)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=config.dtype)
     default_shard_fn(model, mesh)
-    streamload.fsdp2_load_full_state_dict(model, streamload.Checkpoint(ckpt), mesh, cpu_offload=True)
-    # Read straight away: the parameters' device-to-host copies must be complete.
+    synced: list[Any] = []
+    real_sync = torch.cuda.synchronize
+
+    def sync(device: Any = None) -> None:
+        synced.append(torch.device(device) if device is not None else None)
+        real_sync(device)
+
+    torch.cuda.synchronize = sync  # type: ignore[assignment]
+    try:
+        streamload.fsdp2_load_full_state_dict(model, streamload.Checkpoint(ckpt), mesh, cpu_offload=True)
+        # Read straight away: the parameters' device-to-host copies must be complete.
+        got = {n: bit_view(p.to_local()).clone() for n, p in model.named_parameters()}
+    finally:
+        torch.cuda.synchronize = real_sync  # type: ignore[assignment]
+    assert torch.device("cuda", torch.cuda.current_device()) in synced, synced
     assert all(p.to_local().device.type == "cpu" for p in model.parameters())
-    _assert_equal(model, _reference(ckpt, None))
+    for name, want in ref.items():
+        assert torch.equal(got[name], bit_view(want)), name
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")

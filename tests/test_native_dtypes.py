@@ -346,3 +346,52 @@ def test_checkpoint_reads_sub_byte_tensors_as_bytes_and_names_the_cast(tmp_path:
         ckpt.read("w")
     with pytest.raises(DTypeMismatchError, match="cannot read F8_E8M0 into torch.float32"):
         ckpt.read("e", dtype=torch.float32)
+
+
+def test_two_threads_of_a_forked_child_run_one_pre_fork_engine(tmp_path: Path) -> None:
+    """Two threads of a child call run() on the parent's engine at once: the
+    pool was reset by the fork handler, so its workers start once (no race on
+    them) and both copies are right."""
+    import threading
+
+    path = tmp_path / "f.safetensors"
+    n = 12 << 20  # several pieces per copy, so the workers take part
+    path.write_bytes(_file_bytes([("t", "U8", [n], n)], fill=7))
+    sf = native.SafetensorsFile(str(path), "mmap")
+    _, _, _, begin, end = sf.tensors[0]
+    expect = path.read_bytes()[sf.data_start + begin : sf.data_start + end]
+    eng = native.CopyEngine(4)
+    _execute(eng, [sf], [_copy_row(begin, 16, "U8", np.zeros(16, np.uint8).ctypes.data, 16, "U8", [16], [1], [1],
+                                   file=0)])  # fmt: skip
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            outs = [np.zeros(n, dtype=np.uint8) for _ in range(2)]
+            start = threading.Barrier(2)
+
+            def copy(out: np.ndarray) -> None:
+                start.wait()
+                for _ in range(5):
+                    _execute(eng, [sf], [_copy_row(begin, n, "U8", out.ctypes.data, n, "U8", [n], [1], [1],
+                                                   file=0)])  # fmt: skip
+
+            threads = [threading.Thread(target=copy, args=(o,)) for o in outs]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+            code = 0 if all(o.tobytes() == expect for o in outs) else 2
+        finally:
+            os._exit(code)
+    deadline = time.monotonic() + 30
+    while True:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            break
+        if time.monotonic() > deadline:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+            pytest.fail("two threads of a forked child hung on one engine")
+        time.sleep(0.05)
+    assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0, status

@@ -37,6 +37,12 @@ def ckpts(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
             num_attention_heads=4, q_lora_rank=128, kv_lora_rank=96, qk_rope_head_dim=32, qk_nope_head_dim=64,
             v_head_dim=128, n_group=1, topk_group=1, seed=4, max_shard_size="300KB",
         ),
+        # down_proj [256, 192] on a ceil grid of 128-blocks (2 x 2), the config silent on
+        # the block: transformers derives 96 columns from the grid, and so must streamload.
+        "fp8_ragged": make_fp8_checkpoint(
+            root / "fp8_ragged", "llama", hidden_size=256, intermediate_size=192, seed=7, ragged=("down_proj.weight",),
+            config_block=False, max_shard_size="300KB", **ATTN,
+        ),
         "mxfp4": make_mxfp4_checkpoint(
             root / "mxfp4", "gpt_oss", hidden_size=64, intermediate_size=96, num_local_experts=3,
             num_experts_per_tok=2, head_dim=16, layer_types=["sliding_attention", "full_attention"], seed=5,
@@ -114,3 +120,27 @@ def test_fp8_tensors_into_fp8_params(group: RankGroup, ckpts: dict[str, str], re
 
 def test_checkpoint_opened_before_fork_reads_in_the_child(group: RankGroup, ckpts: dict[str, str]) -> None:
     group.run(cases.case_fork_child_reads, ckpt=ckpts["fp8_dense"])
+
+
+@pytest.mark.parametrize("readers", ["src", "owners"])
+def test_quantized_fallback_dequantizes_its_inputs(
+    group: RankGroup, ckpts: dict[str, str], readers: str
+) -> None:
+    """A converter op with no streaming form (forced here) runs transformers'
+    op on dequantized inputs: fp8 scales are applied, the experts bit-exact."""
+    res = group.run(cases.case_quantized_fallback, ckpt=ckpts["fp8_moe"], ws=3, readers=readers)
+    assert res[0]["fallbacks"] >= 2  # gate_up_proj and down_proj of the MoE layer
+
+
+@pytest.mark.parametrize("readers", ["src", "owners"])
+def test_fp8_ceil_grid_without_configured_block_matches_transformers(
+    group: RankGroup, ckpts: dict[str, str], readers: str
+) -> None:
+    index = json.loads((Path(ckpts["fp8_ragged"]) / "model.safetensors.index.json").read_text())
+    assert "model.layers.0.mlp.down_proj.weight_scale_inv" in index["weight_map"]
+    cfg = json.loads((Path(ckpts["fp8_ragged"]) / "config.json").read_text())
+    assert "weight_block_size" not in cfg["quantization_config"]
+    for ws in (2, 3):
+        group.run(
+            cases.case_quantized, ckpt=ckpts["fp8_ragged"], ws=ws, dtype=torch.bfloat16, readers=readers
+        )

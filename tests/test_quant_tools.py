@@ -51,9 +51,25 @@ def test_inspect_mxfp4(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> No
     assert "model.layers.*.mlp.experts.gate_up_proj  mxfp4 block=1x32 tensors=2" in capsys.readouterr().out
 
 
-def test_ingest_writes_the_dequantized_fused_checkpoint(fp8_moe: Path, tmp_path: Path) -> None:
+@pytest.mark.parametrize("fallback", [False, True])
+def test_ingest_writes_the_dequantized_fused_checkpoint(
+    fp8_moe: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fallback: bool
+) -> None:
+    """With ``fallback``, every converter runs transformers' own ops (as for an
+    op with no streaming form): their fp8 inputs must still be dequantized."""
+    from streamload.plan import convert
+
+    if fallback:
+
+        def not_streamable(*args: object, **kwargs: object) -> dict:
+            raise convert.NotStreamable("forced by the test")
+
+        monkeypatch.setattr(convert, "apply_ops_symbolically", not_streamable)
     dst = tmp_path / "bf16"
-    assert main(["ingest", str(fp8_moe), str(dst), "--dtype", "bfloat16"]) == 0
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert main(["ingest", str(fp8_moe), str(dst), "--dtype", "bfloat16"]) == 0
+    assert fallback == any("no streaming form" in str(w.message) for w in caught)
     cfg = json.loads((dst / "config.json").read_text())
     assert "quantization_config" not in cfg
     index = json.loads((dst / "model.safetensors.index.json").read_text())

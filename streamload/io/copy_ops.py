@@ -52,6 +52,19 @@ def bit_view(t: torch.Tensor) -> torch.Tensor:
     return t.view(_SAME_WIDTH_INTS[t.element_size()])
 
 
+def worker_threads() -> int:
+    """The native engine's default worker count (the machine's usable cores).
+
+    Returns:
+        The thread count a Checkpoint uses when given none.
+
+    Example:
+        >>> worker_threads() >= 1
+        True
+    """
+    return int(_native.default_threads())
+
+
 def can_convert(src: str, dst: str) -> bool:
     """True when the native engine casts ``src`` to ``dst`` exactly as torch does:
     the same type (bytes), between floating types, or widening fp8 to them."""

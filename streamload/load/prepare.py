@@ -19,8 +19,8 @@ from ..dist.readers import ReaderChoice, ReaderMode, choose
 from ..dist.strategies import ReaderStrategy, make_strategy
 from ..dist.stream import Shards
 from ..errors import KeyMismatchError, PlacementError
-from ..io._native import default_threads
 from ..io.checkpoint import Checkpoint
+from ..io.copy_ops import worker_threads
 from ..io.sources import Source, as_source
 from ..model.layouts import check_placements
 from ..model.mapped import MappedShards, map_shards
@@ -326,7 +326,7 @@ def _plan_and_map(
                 model,
                 mapping_policy(options.map_files, local.tensors),
             )
-    fallbacks = FallbackSources(local.conversion, ckpt, model) if ckpt is not None else None
+    fallbacks = FallbackSources(local.conversion, ckpt, model, local.quant) if ckpt is not None else None
     shards = Shards(locals_, fallbacks, options.slots, options.progress, mapped.targets, local.quant)
     return Prepared(
         model, options, clock, state, group, device, rank, group_rank, src_group_rank, choice, meta, ckpt,
@@ -412,6 +412,6 @@ def _check_and_materialize(
         if threads is None and mode is ReaderMode.OWNERS and choice.nodes:
             # Ranks of a node read at once: share its cores rather than oversubscribe them.
             on_node = next(len(ranks) for ranks in choice.nodes if group_rank in ranks)
-            threads = max(1, default_threads() // on_node)
+            threads = max(1, worker_threads() // on_node)
         local.source = as_source(path, options.read_mode, threads)
         check_same_table(local.source, meta.table)

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import copy
 import warnings
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from ..io.copy_ops import TORCH_DTYPES
+from ..io.dequant import read_dequantized
 from ..model.hf import unsharded_classes
 from .regions import SourcePiece, identity_piece, regions_for_box
 
@@ -375,12 +376,24 @@ def run_converter(
 
 
 class FallbackSources:
-    """Materialises fallback groups on the reader, keeping one group at a time."""
+    """Materialises fallback groups on the reader, keeping one group at a time.
 
-    def __init__(self, conversion: Conversion, ckpt: Any, model: nn.Module) -> None:
+    Args:
+        conversion: the planned conversions (their fallbacks).
+        ckpt: the opened checkpoint.
+        model: the model transformers' ops are applied for.
+        quant: logical keys the checkpoint stores quantized: the fallback was
+            planned on their dequantized (logical) form, so they are read
+            dequantized (values times scales), never as the raw stored bytes.
+    """
+
+    def __init__(
+        self, conversion: Conversion, ckpt: Any, model: nn.Module, quant: Mapping[str, Any] | None = None
+    ) -> None:
         self.conversion = conversion
         self.ckpt = ckpt
         self.model = model
+        self.quant = quant or {}
         self._key: str | None = None
         self._tensors: dict[str, torch.Tensor] = {}
 
@@ -391,8 +404,13 @@ class FallbackSources:
         fb = self.conversion.fallbacks[vkey]
         if self._key != fb.layer_name:
             self._tensors = {}  # release the previous group first: one group at a time
-            inputs = {p: [self.ckpt.read(k) for k in keys] for p, keys in fb.inputs.items()}
+            inputs = {p: [self._read(k) for k in keys] for p, keys in fb.inputs.items()}
             self._tensors = run_converter(fb.converter, inputs, fb.layer_name, self.model)
             self._key = fb.layer_name
         dtype = TORCH_DTYPES[self.conversion.virtual_table[vkey][0]]
         return self._tensors[fb.output].to(dtype).contiguous()
+
+    def _read(self, key: str) -> torch.Tensor:
+        if key in self.quant:
+            return read_dequantized(self.ckpt, self.quant[key])
+        return self.ckpt.read(key)

@@ -18,6 +18,7 @@ Pure: no I/O, no torch.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -29,7 +30,6 @@ from .regions import SourceRegion
 # so the wire carries the parameter's dtype (never wider than float32).
 LOGICAL_DTYPE = "F32"
 FP8_DTYPES = ("F8_E4M3", "F8_E5M2")
-DEFAULT_FP8_BLOCK = (128, 128)
 
 Table = dict[str, tuple[str, tuple[int, ...], str]]
 
@@ -114,19 +114,43 @@ def _cdiv(a: int, b: int) -> int:
 def _fp8_block(
     shape: Sequence[int], grid: Sequence[int], block: tuple[int, int] | None, key: str
 ) -> tuple[int, int]:
-    """The configured block, checked against the scale grid; inferred (128, or
-    rows / grid rows) when the config gives none."""
+    """The block of one FP8 weight.
+
+    transformers' ``Fp8Dequantize`` ignores the config and derives the block
+    from the grid (``rows // grid_rows``), refusing a grid that does not divide
+    the weight. With no configured block that derivation is used (and a grid
+    it cannot divide is refused, loudly: the block would be a guess). A
+    configured block is checked against the grid and used, as the quantizer
+    used it; where transformers' derivation would scale some rows or columns
+    differently, a warning names the tensor.
+    """
     rows, cols = shape[-2], shape[-1]
     sr, sc = grid[-2], grid[-1]
-    candidates = [block] if block else [DEFAULT_FP8_BLOCK, (_cdiv(rows, max(sr, 1)), _cdiv(cols, max(sc, 1)))]
-    for br, bc in candidates:
-        if br > 0 and bc > 0 and _cdiv(rows, br) == sr and _cdiv(cols, bc) == sc:
-            return br, bc
-    raise QuantizationError(
-        f"scale grid {list(grid)} does not match weight {list(shape)} with block {block or DEFAULT_FP8_BLOCK}",
-        None,
-        key,
-    )
+    derived = (rows // sr, cols // sc) if sr > 0 and sc > 0 and rows % sr == 0 and cols % sc == 0 else None
+    if block is None:
+        if derived is None or min(derived) <= 0:
+            raise QuantizationError(
+                f"scale grid {list(grid)} does not divide weight {list(shape)} and the config gives no "
+                "weight_block_size (transformers refuses this grid): set quantization_config.weight_block_size",
+                None,
+                key,
+            )
+        return derived
+    br, bc = block
+    if br <= 0 or bc <= 0 or _cdiv(rows, br) != sr or _cdiv(cols, bc) != sc:
+        raise QuantizationError(
+            f"scale grid {list(grid)} does not match weight {list(shape)} with block {list(block)}", None, key
+        )
+    # With one block along a dim every element shares its scale, whatever the block size.
+    differs = derived is None or (sr > 1 and derived[0] != br) or (sc > 1 and derived[1] != bc)
+    if differs:
+        theirs = f"derives {list(derived)}" if derived else "refuses this grid"
+        warnings.warn(
+            f"streamload: '{key}' {list(shape)} is dequantized with the configured block {list(block)}, "
+            f"as it was quantized; transformers' from_pretrained {theirs}, so its values differ",
+            stacklevel=4,
+        )
+    return br, bc
 
 
 def fp8_scale_key(key: str) -> str:
@@ -141,7 +165,8 @@ def quantized_view(table: Table, scheme: QuantScheme | None) -> tuple[Table, dic
     Args:
         table: checkpoint key -> (dtype, shape, file).
         scheme: from ``scheme_from_config``; None detects FP8 weights that have
-            a ``weight_scale_inv`` sibling (block 128, or as the grid implies).
+            a ``weight_scale_inv`` sibling (block derived from the grid, as
+            transformers derives it).
 
     Returns:
         (the logical table, logical key -> QuantTensor).
@@ -175,7 +200,13 @@ def quantized_view(table: Table, scheme: QuantScheme | None) -> tuple[Table, dic
                 continue
             base = key[: -len("_blocks")]
             skey = base + "_scales"
-            sshape = table[skey][1]
+            sdtype, sshape = table[skey][0], table[skey][1]
+            if sdtype != "U8":
+                # transformers reads them as e8m0 exponent bytes (``scales.to(int32) - 127``):
+                # any other dtype would be scaled by a different number.
+                raise QuantizationError(
+                    f"MXFP4 scales '{skey}' are {sdtype}; transformers reads U8 exponent bytes", file, skey
+                )
             if len(shape) != 4 or shape[-1] != 16 or tuple(sshape) != tuple(shape[:-1]) or dtype != "U8":
                 raise QuantizationError(
                     f"MXFP4 blocks {dtype}{list(shape)} and scales {list(sshape)} do not fit", file, key

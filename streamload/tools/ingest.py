@@ -149,7 +149,7 @@ def ingest(
     validate_shapes(match.targets, full_table)
     out_dtypes = {t.name: _out_dtype(full_table[t.pieces[0].key][0], dtype) for t in match.targets}
     layout = _layout(match.targets, out_dtypes, parse_size(max_shard_size))
-    fallbacks = FallbackSources(conversion, ckpt, model)
+    fallbacks = FallbackSources(conversion, ckpt, model, quant)
 
     dst_p.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{dst_p.name}.partial-", dir=dst_p.parent))

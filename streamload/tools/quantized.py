@@ -33,22 +33,26 @@ def quantize_fp8_blocks(w: torch.Tensor, block: tuple[int, int]) -> tuple[torch.
     """Block-scaled float8_e4m3fn with transformers' ``Fp8Quantize`` arithmetic.
 
     Args:
-        w: a [..., R, C] floating tensor whose last two dims the block divides.
-        block: (rows, cols) of one scale block.
+        w: a [..., R, C] floating tensor.
+        block: (rows, cols) of one scale block; where it does not divide R or
+            C the last block is partial (a ceil grid, as DeepSeek-V3 stores it).
 
     Returns:
-        (weight in float8_e4m3fn, float32 ``weight_scale_inv`` [..., R/br, C/bc]).
+        (weight in float8_e4m3fn, float32 ``weight_scale_inv`` [..., ceil(R/br), ceil(C/bc)]).
 
     Example:
         >>> q, s = quantize_fp8_blocks(torch.randn(256, 256), (128, 128))
     """
     br, bc = block
     *lead, rows, cols = w.shape
-    x = w.float().reshape(*lead, rows // br, br, cols // bc, bc)
+    pr, pc = -(-rows // br) * br, -(-cols // bc) * bc
+    # Zero padding changes no block's amax; it is cropped off again below.
+    x = torch.nn.functional.pad(w.float(), (0, pc - cols, 0, pr - rows))
+    x = x.reshape(*lead, pr // br, br, pc // bc, bc)
     amax = x.abs().amax(dim=(-3, -1))
     scale = torch.where(amax > 0, FP8_MAX / torch.where(amax > 0, amax, torch.ones_like(amax)), 1.0)
     q = (x * scale.unsqueeze(-1).unsqueeze(-3)).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
-    return q.reshape(w.shape), (1.0 / scale).float()
+    return q.reshape(*lead, pr, pc)[..., :rows, :cols].contiguous(), (1.0 / scale).float()
 
 
 def quantize_mxfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -98,7 +102,13 @@ def _set_quant_config(ckpt: Path, qcfg: dict[str, Any]) -> None:
 
 
 def make_fp8_checkpoint(
-    out_dir: str | os.PathLike, model_type: str = "llama", *, block: tuple[int, int] = (128, 128), **kw: Any
+    out_dir: str | os.PathLike,
+    model_type: str = "llama",
+    *,
+    block: tuple[int, int] = (128, 128),
+    ragged: tuple[str, ...] = (),
+    config_block: bool = True,
+    **kw: Any,
 ) -> Path:
     """A random checkpoint with FP8 block-scaled ``*_proj`` weights (DeepSeek-V3 layout).
 
@@ -106,6 +116,10 @@ def make_fp8_checkpoint(
         out_dir: destination directory.
         model_type: transformers model type (e.g. ``"llama"``, ``"deepseek_v3"``).
         block: ``weight_block_size``.
+        ragged: name suffixes of projections also quantized where the block
+            does not divide them (a ceil grid); others are then left unquantized.
+        config_block: False leaves ``weight_block_size`` out of the config
+            (loaders then derive the block from each grid).
         **kw: passed to ``make_checkpoint`` (seed, max_shard_size, config overrides).
 
     Returns:
@@ -118,7 +132,10 @@ def make_fp8_checkpoint(
 
     def convert(name: str, t: torch.Tensor) -> dict[str, torch.Tensor]:
         eligible = name.endswith("_proj.weight") and t.ndim == 2
-        if not eligible or t.shape[0] % block[0] or t.shape[1] % block[1]:
+        if not eligible:
+            return {name: t}
+        divides = not (t.shape[0] % block[0] or t.shape[1] % block[1])
+        if not (divides or name.endswith(ragged)):
             return {name: t}
         q, s = quantize_fp8_blocks(t, block)
         return {name: q, name[: -len("weight")] + "weight_scale_inv": s}
@@ -128,7 +145,7 @@ def make_fp8_checkpoint(
         ckpt,
         {
             "quant_method": "fp8",
-            "weight_block_size": list(block),
+            **({"weight_block_size": list(block)} if config_block else {}),
             "fmt": "e4m3",
             "activation_scheme": "dynamic",
         },
