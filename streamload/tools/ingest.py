@@ -149,7 +149,7 @@ def ingest(
     validate_shapes(match.targets, full_table)
     out_dtypes = {t.name: _out_dtype(full_table[t.pieces[0].key][0], dtype) for t in match.targets}
     layout = _layout(match.targets, out_dtypes, parse_size(max_shard_size))
-    fallbacks = FallbackSources(conversion, ckpt, model, quant)
+    inputs = _Inputs(ckpt, FallbackSources(conversion, ckpt, model, quant), quant)
 
     dst_p.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{dst_p.name}.partial-", dir=dst_p.parent))
@@ -158,7 +158,7 @@ def ingest(
         written = 0
         for i, entries in enumerate(layout):
             name = f"model-{i + 1:05d}-of-{len(layout):05d}.safetensors"
-            written += _write_file(tmp / name, entries, ckpt, fallbacks, quant)
+            written += _write_file(tmp / name, entries, inputs)
             weight_map.update({t.name: name for t, *_ in entries})
         total = sum(end - begin for entries in layout for _, _, begin, end in entries)
         (tmp / INDEX_NAME).write_text(
@@ -180,13 +180,16 @@ def ingest(
     return IngestReport(len(layout), len(match.targets), written, len(match.converted), match.unexpected)
 
 
-def _write_file(
-    path: Path,
-    entries: list[tuple[Target, str, int, int]],
-    ckpt: Checkpoint,
-    fallbacks: FallbackSources,
-    quant: dict[str, QuantTensor],
-) -> int:
+@dataclass(frozen=True)
+class _Inputs:
+    """Where an output tensor's bytes come from: the files, the fallback conversions, the quantized views."""
+
+    ckpt: Checkpoint
+    fallbacks: FallbackSources
+    quant: dict[str, QuantTensor]
+
+
+def _write_file(path: Path, entries: list[tuple[Target, str, int, int]], inputs: _Inputs) -> int:
     head = _header(entries)
     data_len = entries[-1][3] if entries else 0
     with open(path, "w+b") as f:
@@ -196,7 +199,7 @@ def _write_file(
             with mmap.mmap(f.fileno(), len(head) + data_len, access=mmap.ACCESS_WRITE) as mm:
                 out = torch.frombuffer(mm, dtype=torch.uint8)
                 try:
-                    _fill(out, len(head), entries, ckpt, fallbacks, quant)
+                    _fill(out, len(head), entries, inputs)
                     mm.flush()
                 finally:
                     del out
@@ -206,12 +209,7 @@ def _write_file(
 
 
 def _fill(
-    out: torch.Tensor,
-    data_start: int,
-    entries: list[tuple[Target, str, int, int]],
-    ckpt: Checkpoint,
-    fallbacks: FallbackSources,
-    quant: dict[str, QuantTensor],
+    out: torch.Tensor, data_start: int, entries: list[tuple[Target, str, int, int]], inputs: _Inputs
 ) -> None:
     """One target at a time: its source regions straight into the mapped file."""
     for t, dtype, begin, _end in entries:
@@ -222,7 +220,21 @@ def _fill(
         first, misaligned = divmod(data_start + begin, ITEMSIZE[dtype])
         if misaligned:
             raise CheckpointError("misaligned output tensor", tensor=t.name)
-        add_box_ops(batch, ckpt, t.pieces, box, out, dtype, dst_strides, first, None, fallbacks, keep, quant)
+        ckpt = inputs.ckpt
+        add_box_ops(
+            batch,
+            ckpt,
+            t.pieces,
+            box,
+            out,
+            dtype,
+            dst_strides,
+            first,
+            None,
+            inputs.fallbacks,
+            keep,
+            inputs.quant,
+        )
         batch.execute(ckpt.engine, ckpt.files)
         keep.clear()
 
