@@ -1,12 +1,15 @@
 """Planning cost at thousands of ranks, without any process group: the plan one
-rank (``owners``) or one node's reader (``node``, 8 ranks per node) builds for
+rank (``owners``), one node's reader (``node``, 8 ranks per node) or one
+receiver of the ``src`` reader (``src``) builds for
 a table shaped like DeepSeek-V3 671B (61 layers, the first 3 dense, 256 routed
 experts per MoE layer stored one tensor each as on the hub, bf16), sharded
 FSDP-style (Shard(0)) over 1,024 and 8,192 simulated ranks.
 
 Each rank derives only the placements of the ranks it plans for from the
 layout specs (streamload.model.specs), hashes the specs into the digest the
-ranks all-gather, and builds its bucket plan; the time and the Python memory
+ranks all-gather, and builds its bucket plan (a ``src`` receiver: bucket
+boundaries from the specs alone, its own segments only, as
+streamload.load.prepare does); the time and the Python memory
 peak (tracemalloc, in a separate pass so it does not slow the timed one) are
 printed per rank and for a node's reader.
 
@@ -23,8 +26,9 @@ from typing import Any
 
 from torch.distributed.tensor import Replicate, Shard
 
-from streamload.model.specs import LayoutSpec, MeshInfo, placements_for, spec_digest
+from streamload.model.specs import LayoutSpec, MeshInfo, global_layout, placement_for, placements_for, spec_digest
 from streamload.plan.buckets import Plan, Target, build_plan
+from streamload.plan.global_buckets import build_served_plan
 from streamload.plan.regions import SourcePiece, identity_piece
 
 H, VOCAB, LAYERS, DENSE, EXPERTS = 7168, 129280, 61, 3, 256
@@ -89,7 +93,7 @@ def v3_table() -> tuple[dict[str, tuple[str, tuple[int, ...], str]], list[Target
 
 
 def plan_for(
-    targets: list[Target], dtypes: dict[str, str], world: int, layout: str, ranks: list[int]
+    targets: list[Target], dtypes: dict[str, str], world: int, layout: str, ranks: list[int], src: bool = False
 ) -> tuple[Plan, str]:
     """What one rank does after the table arrives: specs, digest, the served ranks' placements, the plan."""
     if layout == "fsdp":  # one FSDP dim over every rank
@@ -98,6 +102,13 @@ def plan_for(
         mesh, placements = MeshInfo((world // 64, 64), tuple(range(world))), (Replicate(), Shard(0))
     specs = [LayoutSpec(t.shape, "BF16", mesh, placements) for t in targets]
     digest = spec_digest([t.name for t in targets], specs)
+    if src:
+        layouts = [global_layout(s, world) for s in specs]
+
+        def place(row: int, t_idx: int) -> Any:
+            return placement_for(specs[t_idx], ranks[row])
+
+        return build_served_plan(targets, dtypes, layouts, len(ranks), place, BUCKET_BYTES), digest
     return build_plan(targets, dtypes, placements_for(specs, ranks), BUCKET_BYTES), digest
 
 
@@ -144,12 +155,17 @@ def main() -> None:
             node = list(
                 range(me // RANKS_PER_NODE * RANKS_PER_NODE, (me // RANKS_PER_NODE + 1) * RANKS_PER_NODE)
             )
-            for mode, ranks in (("owners (one rank)", [me]), ("node (one node's reader)", node)):
+            modes = (
+                ("owners (one rank)", [me], False),
+                ("node (one node's reader)", node, False),
+                ("src (one receiver)", [me], True),
+            )
+            for mode, ranks, src in modes:
 
                 def run(
-                    ranks: list[int] = ranks, world: int = world, layout: str = layout
+                    ranks: list[int] = ranks, world: int = world, layout: str = layout, src: bool = src
                 ) -> tuple[Plan, str]:
-                    return plan_for(targets, dtypes, world, layout, ranks)
+                    return plan_for(targets, dtypes, world, layout, ranks, src)
 
                 sec, peak, (plan, _) = measure(run)
                 segs = sum(len(s) for b in plan.buckets for s in b.segments)

@@ -12,7 +12,7 @@ from torch.distributed.tensor.placement_types import _StridedShard
 
 from streamload.model.specs import LayoutSpec, MeshInfo, global_layout, placement_for
 from streamload.plan.buckets import ALIGN, Placement, Target
-from streamload.plan.global_buckets import GlobalLayout, bucket_chunks, build_served_plan
+from streamload.plan.global_buckets import GlobalLayout, _Filler, build_served_plan
 from streamload.plan.regions import box_numel, identity_piece
 
 PLACEMENTS = [Shard(0), Shard(1), Replicate(), _StridedShard(0, split_factor=2), _StridedShard(1, split_factor=3)]
@@ -135,5 +135,24 @@ def test_receiver_at_8192_ranks_places_itself_only() -> None:
         counts.append(len(plan.buckets))
         got = sum(box_numel(s.box) for b in plan.buckets for s in b.segments[0])
         assert got == sum(box_numel(p.box) for p in (placement_for(s, me) for s in specs))
-    assert len(set(counts)) == 1
-    assert counts[0] == len(bucket_chunks(targets, dtypes, layouts, 1 << 20)) > 1
+    assert len(set(counts)) == 1 and counts[0] > 1
+    # The 8,192-row plan (the reader's) has the same buckets.
+    reader = build_served_plan(targets, dtypes, layouts, world, lambda r, t: placement_for(specs[t], r), 1 << 20)
+    assert len(reader.buckets) == counts[0]
+    assert reader.max_bucket_bytes <= 1 << 20
+
+
+@pytest.mark.parametrize("seed", range(200))
+def test_arithmetic_runs_place_chunks_as_one_by_one(seed: int) -> None:
+    # A receiver places a run of equal chunks by arithmetic; the result must be the sequential rule's.
+    rng = random.Random(seed)
+    capacity = rng.randint(32, 500)
+    fast, slow = _Filler(capacity), _Filler(capacity)
+    for _ in range(rng.randint(1, 6)):
+        count, bound = rng.randint(0, 40), rng.choice([1, 7, 30, capacity // 3 + 1, capacity, capacity + 5])
+        if rng.random() < 0.3:
+            b = rng.randint(1, capacity)
+            assert fast.add(b) == slow.add(b)
+        bucket_of = fast.add_run(count, bound)
+        assert [bucket_of(k) for k in range(count)] == [slow.add(bound) for _ in range(count)]
+        assert (fast.index, fast.used, fast.count) == (slow.index, slow.used, slow.count)

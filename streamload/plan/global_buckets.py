@@ -4,24 +4,26 @@
 fill it, so anyone who wants the boundaries must enumerate every rank. Here
 the boundaries follow from what every rank knows without enumerating any:
 each target's global shape, wire dtype and how many copies of each element
-the ranks hold together (``GlobalLayout``). A target is cut into chunks
-along its row-major order (``split_box`` over the global box, dim-0 row
-ranges first), each chunk's wire bytes over every rank is bounded from the
-layout alone, and chunks fill buckets in target order. A rank then computes
-only the segments of the ranks it serves: a ``src`` receiver its own (cost
-targets x its boxes), the reader every rank's (it serves them all). Within a
-chunk a row's segments follow its boxes' order, so a receiver and the reader
-derive the same offsets.
+the ranks hold together (``GlobalLayout``). A target is cut into chunks in
+row-major order as ``split_box`` cuts a box, each chunk's wire bytes over
+every rank is bounded from the layout alone, and chunks fill buckets in
+target order. A rank then computes only the segments of the ranks it serves:
+a ``src`` receiver its own, the reader every rank's (it serves them all).
+The chunks of a target are equal ranges, so their buckets are arithmetic and
+a receiver visits only the chunks its boxes meet: its cost is its segments,
+one step per prefix row of a cut target and one list slot per bucket,
+whatever the world size. A row's segments follow (chunk, box index) order,
+so a receiver and the reader derive the same offsets.
 """
 
 from __future__ import annotations
 
-from bisect import bisect_left
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from itertools import product
 
 from ..io.copy_ops import ITEMSIZE
-from .buckets import ALIGN, Bucket, Placement, Plan, Segment, Target, split_box, wire_dtype
+from .buckets import ALIGN, Bucket, Placement, Plan, Segment, Target, wire_dtype
 from .regions import Box, box_numel, intersect
 
 # Row index in the plan, target index -> that row's Placement of the target.
@@ -45,122 +47,115 @@ class GlobalLayout:
     max_segments: int
 
 
-@dataclass(frozen=True)
-class Chunk:
-    """A global sub-box of one target that travels in one bucket, every holder's part of it at once.
+class _Filler:
+    """Bucket boundaries: chunks in order go to the current bucket while their bounds fit."""
 
-    Attributes:
-        target: index into the plan's targets.
-        box: the sub-box, global coordinates.
-        wire: its wire dtype.
-        bound: an upper bound on its wire bytes over every rank, alignment included.
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self.index = 0  # the current bucket
+        self.used = 0  # bound bytes in it (0: it is empty)
+
+    def add(self, bound: int) -> int:
+        """One chunk; returns its bucket."""
+        if self.used and self.used + bound > self.capacity:
+            self.index, self.used = self.index + 1, 0
+        self.used += bound
+        return self.index
+
+    def add_run(self, count: int, bound: int) -> Callable[[int], int]:
+        """``count`` chunks of one ``bound`` at once, as ``add`` would place them; returns chunk -> bucket."""
+        start, used = self.index, self.used
+        per = max(1, self.capacity // bound)  # what an empty bucket takes (at least one chunk)
+        first = max(0, (self.capacity - used) // bound) if used else per
+        last = count - 1
+        if last < first:
+            self.used = used + count * bound
+        else:
+            j = last - first
+            self.index, self.used = start + 1 + j // per, (j % per + 1) * bound
+
+        def bucket_of(k: int) -> int:
+            return start if k < first else start + 1 + (k - first) // per
+
+        return bucket_of
+
+    @property
+    def count(self) -> int:
+        return self.index + 1 if self.used else self.index
+
+
+class _Cut:
+    """One target cut into chunks, and which bucket each chunk goes to.
+
+    As ``split_box`` cuts: the outermost dim ``d`` whose slabs (one index of
+    it, everything inside) fit is cut into ranges of ``step`` indices (the
+    last shorter), the dims before it one index at a time. Chunk k is then
+    (prefix p, range j) with k = p * ranges + j; the bucket of every range but
+    the last of a prefix is arithmetic, so the cost is one step per prefix,
+    not per chunk.
     """
 
-    target: int
-    box: Box
-    wire: str
-    bound: int
+    def __init__(self, shape: tuple[int, ...], wire: str, layout: GlobalLayout, filler: _Filler) -> None:
+        isz = ITEMSIZE[wire]
+        self.layout, self.isz, self.shape = layout, isz, shape
+        limit = filler.capacity
+        pad_all = ALIGN * layout.max_segments
+        if 2 * pad_all <= limit:
+            # Every segment of a chunk may add ALIGN bytes of padding: reserve them all.
+            inner, limit = isz * layout.copies, limit - pad_all
+        else:
+            # Too many possible segments for that (tiny buckets): bound per element
+            # instead, each segment holding at least one.
+            inner = (isz + ALIGN) * layout.copies
+        d, slab = len(shape) - 1, 1
+        while d > 0 and inner * shape[d] <= limit:
+            inner, slab, d = inner * shape[d], slab * shape[d], d - 1
+        self.d = max(d, 0)
+        size = shape[self.d] if shape else 1
+        self.step = max(1, min(size, limit // inner))
+        self.ranges = -(-size // self.step)
+        self.prefixes = 1
+        for n in shape[: self.d]:
+            self.prefixes *= n
+        full, tail = self.step * slab, (size - (self.ranges - 1) * self.step) * slab
+        self._runs = []
+        self._lasts = []
+        for _ in range(self.prefixes):
+            self._runs.append(filler.add_run(self.ranges - 1, self._bound(full)))
+            self._lasts.append(filler.add(self._bound(tail)))
 
+    def _bound(self, n: int) -> int:
+        """Wire bytes of ``n`` elements over every copy, with the padding its segments can add."""
+        return n * self.isz * self.layout.copies + ALIGN * min(n * self.layout.copies, self.layout.max_segments)
 
-def _chunks_of(t_idx: int, target: Target, wire: str, layout: GlobalLayout, limit: int) -> list[Chunk]:
-    """``target`` cut into chunks whose bound fits ``limit`` where one element over every rank does."""
-    isz = ITEMSIZE[wire]
-    full = tuple((0, s) for s in target.shape)
-    pad_all = ALIGN * layout.max_segments
-    if 2 * pad_all <= limit:
-        # Every segment of a chunk may add ALIGN bytes of padding: reserve them all.
-        boxes = split_box(full, isz * layout.copies, limit - pad_all)
-    else:
-        # Too many possible segments for that (tiny buckets): bound per element instead,
-        # each segment holding at least one.
-        boxes = split_box(full, (isz + ALIGN) * layout.copies, limit)
-    out = []
-    for box in boxes:
-        n = box_numel(box)
-        bound = n * isz * layout.copies + ALIGN * min(n * layout.copies, layout.max_segments)
-        out.append(Chunk(t_idx, box, wire, bound))
-    return out
+    def bucket(self, k: int) -> int:
+        p, j = divmod(k, self.ranges)
+        return self._lasts[p] if j == self.ranges - 1 else self._runs[p](j)
 
+    def box(self, k: int) -> Box:
+        if not self.shape:
+            return ()
+        p, j = divmod(k, self.ranges)
+        prefix: list[tuple[int, int]] = []
+        for n in reversed(self.shape[: self.d]):
+            p, i = divmod(p, n)
+            prefix.append((i, i + 1))
+        lo = j * self.step
+        rest = tuple((0, n) for n in self.shape[self.d + 1 :])
+        return (*reversed(prefix), (lo, min(lo + self.step, self.shape[self.d])), *rest)
 
-def bucket_chunks(
-    targets: Sequence[Target],
-    source_dtypes: dict[str, str],
-    layouts: Sequence[GlobalLayout],
-    bucket_bytes: int,
-) -> list[list[Chunk]]:
-    """The buckets as lists of chunks: a pure function of the targets and their global layouts.
-
-    Args:
-        targets: destination tensors, in streaming order.
-        source_dtypes: checkpoint key -> dtype name.
-        layouts: each target's GlobalLayout, in the same order.
-        bucket_bytes: capacity of one bucket, all ranks together.
-
-    Returns:
-        One list of chunks per bucket; every bucket's bound is at most ``bucket_bytes``
-        unless one element held by every copy exceeds it alone.
-
-    Example:
-        >>> len(bucket_chunks(targets, dtypes, layouts, 256 << 20))  # the same on every rank
-    """
-    if bucket_bytes < 4 * ALIGN:
-        raise ValueError("bucket_bytes is too small")
-    buckets: list[list[Chunk]] = []
-    cur: list[Chunk] = []
-    used = 0
-    for t_idx, (t, layout) in enumerate(zip(targets, layouts, strict=True)):
-        if box_numel(tuple((0, s) for s in t.shape)) == 0 or layout.copies == 0:
-            continue
-        wire = wire_dtype([source_dtypes[p.key] for p in t.pieces], layout.dtype)
-        for chunk in _chunks_of(t_idx, t, wire, layout, bucket_bytes):
-            if cur and used + chunk.bound > bucket_bytes:
-                buckets.append(cur)
-                cur, used = [], 0
-            cur.append(chunk)
-            used += chunk.bound
-    if cur:
-        buckets.append(cur)
-    return buckets
-
-
-class _Holders:
-    """The served rows' boxes of one target, swept along dim 0 as the chunks advance.
-
-    Chunks come in row-major order, so their dim-0 ranges never move back: a
-    box that ends before the current chunk starts is dropped for good, and a
-    box is taken in once the chunks reach its first row. Each chunk then looks
-    at the boxes that overlap its rows only.
-    """
-
-    def __init__(self, rows: Sequence[Placement]) -> None:
-        # (dim-0 start, row, box index, box, local start), sorted by dim-0 start.
-        held = [
-            (box[0][0] if box else 0, row, k, box, start)
-            for row, pl in enumerate(rows)
-            for k, (box, start) in enumerate(pl.boxes)
-        ]
-        held.sort(key=lambda h: (h[0], h[1], h[2]))
-        self._held = held
-        self._starts = [h[0] for h in held]
-        self._next = 0
-        self._active: list[tuple[int, int, int, Box, tuple[int, ...]]] = []
-
-    def hits(self, chunk: Box) -> list[tuple[int, int, Box, Box, tuple[int, ...]]]:
-        """(row, box index, sub-box, box, local start) of every box meeting ``chunk``, by (row, box index)."""
-        if chunk:
-            lo, hi = chunk[0]
-            end = bisect_left(self._starts, hi, lo=self._next)
-            self._active.extend(self._held[self._next : end])
-            self._next = end
-            self._active = [h for h in self._active if h[3][0][1] > lo]
-        else:  # a 0-d target: every holder holds its one element
-            self._active, self._next = self._held, len(self._held)
+    def meeting(self, box: Box) -> list[int]:
+        """The chunks that can meet ``box`` (those whose prefix and range overlap its own)."""
+        if not box:
+            return list(range(self.ranges * self.prefixes))
+        lo, hi = box[self.d]
+        js = range(lo // self.step, (hi - 1) // self.step + 1)
         out = []
-        for _, row, k, box, start in self._active:
-            sub = intersect(box, chunk)
-            if sub is not None:
-                out.append((row, k, sub, box, start))
-        out.sort(key=lambda h: (h[0], h[1]))
+        for idx in product(*(range(a, b) for a, b in box[: self.d])):
+            p = 0
+            for i, n in zip(idx, self.shape[: self.d], strict=True):
+                p = p * n + i
+            out.extend(p * self.ranges + j for j in js)
         return out
 
 
@@ -179,38 +174,52 @@ def build_served_plan(
         source_dtypes: checkpoint key -> dtype name.
         layouts: each target's GlobalLayout.
         rows: how many rows the plan has (the ranks this rank serves).
-        place: (row, target index) -> that row's Placement; called once per row and target,
-            and never for a rank that is not served.
+        place: (row, target index) -> that row's Placement; called once per row and target
+            that has elements, and never for a rank that is not served.
         bucket_bytes: capacity of one bucket, all ranks together.
 
     Returns:
-        A Plan over ``rows`` rows; ``max_bucket_bytes`` is exact on a plan over every rank.
+        A Plan over ``rows`` rows. Every bucket's wire total is at most ``bucket_bytes``
+        unless one element over every copy exceeds it alone; ``max_bucket_bytes`` is exact
+        on a plan over every rank. Buckets without a segment of the served rows are one
+        shared empty Bucket (a receiver of thousands of ranks holds one slot per bucket).
 
     Example:
         >>> plan = build_served_plan(targets, dtypes, layouts, 1, lambda r, t: mine[t], 64 << 20)
     """
-    chunked = bucket_chunks(targets, source_dtypes, layouts, bucket_bytes)
-    buckets = [Bucket([[] for _ in range(rows)], [0] * rows) for _ in chunked]
+    if bucket_bytes < 4 * ALIGN:
+        raise ValueError("bucket_bytes is too small")
+    filler = _Filler(bucket_bytes)
+    made: dict[int, Bucket] = {}
     rank_total = [0] * rows
     payload = 0
-    holders: _Holders | None = None
-    current = -1
-    for bucket, chunks in zip(buckets, chunked, strict=True):
-        for chunk in chunks:
-            if chunk.target != current:
-                # One target's placements at a time: memory stays rows x one target.
-                current = chunk.target
-                holders = _Holders([place(r, current) for r in range(rows)])
-            assert holders is not None
-            isz = ITEMSIZE[chunk.wire]
-            for row, _, sub, box, start in holders.hits(chunk.box):
-                nbytes = box_numel(sub) * isz
-                local_start = tuple(ls + s0 - b0 for ls, (s0, _), (b0, _) in zip(start, sub, box, strict=True))
-                bucket.segments[row].append(
-                    Segment(chunk.target, row, sub, local_start, chunk.wire, bucket.rank_bytes[row], nbytes)
-                )
-                padded = (nbytes + ALIGN - 1) // ALIGN * ALIGN
-                bucket.rank_bytes[row] += padded
-                rank_total[row] += padded
-                payload += nbytes
+    for t_idx, (t, layout) in enumerate(zip(targets, layouts, strict=True)):
+        if box_numel(tuple((0, s) for s in t.shape)) == 0 or layout.copies == 0:
+            continue
+        wire = wire_dtype([source_dtypes[p.key] for p in t.pieces], layout.dtype)
+        cut = _Cut(t.shape, wire, layout, filler)
+        hits = []
+        for row in range(rows):
+            for k, (box, start) in enumerate(place(row, t_idx).boxes):
+                for c in cut.meeting(box):
+                    sub = intersect(box, cut.box(c))
+                    if sub is not None:
+                        hits.append((c, row, k, sub, box, start))
+        # (chunk, row, box index) order: the same whichever rows a rank plans for.
+        hits.sort(key=lambda h: (h[0], h[1], h[2]))
+        isz = ITEMSIZE[wire]
+        for c, row, _, sub, box, start in hits:
+            b = cut.bucket(c)
+            bucket = made.get(b)
+            if bucket is None:
+                bucket = made[b] = Bucket([[] for _ in range(rows)], [0] * rows)
+            nbytes = box_numel(sub) * isz
+            local_start = tuple(ls + s0 - b0 for ls, (s0, _), (b0, _) in zip(start, sub, box, strict=True))
+            bucket.segments[row].append(Segment(t_idx, row, sub, local_start, wire, bucket.rank_bytes[row], nbytes))
+            padded = (nbytes + ALIGN - 1) // ALIGN * ALIGN
+            bucket.rank_bytes[row] += padded
+            rank_total[row] += padded
+            payload += nbytes
+    empty = Bucket([[] for _ in range(rows)], [0] * rows)
+    buckets = [made.get(i, empty) for i in range(filler.count)]
     return Plan(list(targets), buckets, bucket_bytes, rows, payload, rank_total)
