@@ -15,7 +15,13 @@ from streamload.plan.buckets import ALIGN, Placement, Target
 from streamload.plan.global_buckets import GlobalLayout, _Filler, build_served_plan
 from streamload.plan.regions import box_numel, identity_piece
 
-PLACEMENTS = [Shard(0), Shard(1), Replicate(), _StridedShard(0, split_factor=2), _StridedShard(1, split_factor=3)]
+PLACEMENTS = [
+    Shard(0),
+    Shard(1),
+    Replicate(),
+    _StridedShard(0, split_factor=2),
+    _StridedShard(1, split_factor=3),
+]
 
 
 def _case(seed: int) -> tuple[list[Target], list[LayoutSpec], int]:
@@ -30,7 +36,9 @@ def _case(seed: int) -> tuple[list[Target], list[LayoutSpec], int]:
     specs: list[LayoutSpec] = []
     for i in range(rng.randint(3, 8)):
         ndim = rng.choice([0, 1, 2, 2])
-        shape = tuple(rng.choice([0, 1, 2, 5, 7, 13]) if rng.random() < 0.2 else rng.randint(1, 40) for _ in range(ndim))
+        shape = tuple(
+            rng.choice([0, 1, 2, 5, 7, 13]) if rng.random() < 0.2 else rng.randint(1, 40) for _ in range(ndim)
+        )
         name = f"t{i}"
         targets.append(Target(name, shape, (identity_piece(name, shape),)))
         dtype = rng.choice(["F32", "BF16"])
@@ -75,16 +83,22 @@ def test_receiver_plan_is_its_row_of_the_readers(seed: int, bucket: int) -> None
     # Every rank's segments tile exactly its placements, once.
     for r in range(world):
         for t_idx, spec in enumerate(specs):
-            got = [c for b in reader.buckets for s in b.segments[r] if s.target == t_idx for c in _cells(s.box)]
+            got = [
+                c for b in reader.buckets for s in b.segments[r] if s.target == t_idx for c in _cells(s.box)
+            ]
             want = [c for box, _ in placement_for(spec, r).boxes for c in _cells(box)]
             assert sorted(got) == sorted(want), (seed, r, t_idx)
     # Every bucket's wire total stays within the bucket unless one element over every copy exceeds it.
     for b in reader.buckets:
-        worst = max(
-            (ITEM[layouts[s.target].dtype] + ALIGN) * layouts[s.target].copies
-            for segs in b.segments
-            for s in segs
-        ) if any(b.segments) else 0
+        worst = (
+            max(
+                (ITEM[layouts[s.target].dtype] + ALIGN) * layouts[s.target].copies
+                for segs in b.segments
+                for s in segs
+            )
+            if any(b.segments)
+            else 0
+        )
         assert b.total_bytes <= max(bucket, worst)
 
 
@@ -137,7 +151,9 @@ def test_receiver_at_8192_ranks_places_itself_only() -> None:
         assert got == sum(box_numel(p.box) for p in (placement_for(s, me) for s in specs))
     assert len(set(counts)) == 1 and counts[0] > 1
     # The 8,192-row plan (the reader's) has the same buckets.
-    reader = build_served_plan(targets, dtypes, layouts, world, lambda r, t: placement_for(specs[t], r), 1 << 20)
+    reader = build_served_plan(
+        targets, dtypes, layouts, world, lambda r, t: placement_for(specs[t], r), 1 << 20
+    )
     assert len(reader.buckets) == counts[0]
     assert reader.max_bucket_bytes <= 1 << 20
 

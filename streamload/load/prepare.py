@@ -44,8 +44,8 @@ from ..model.state import (
     restore_buffers,
 )
 from ..plan.buckets import Bucket, Placement, Plan, build_plan, validate_dtypes, validate_shapes
-from ..plan.global_buckets import build_served_plan
 from ..plan.convert import Conversion, FallbackSources, Table, plan_conversions
+from ..plan.global_buckets import build_served_plan
 from ..plan.keys import KeyMatch, match_keys
 from ..plan.quant import QuantTensor, check_kept, quantized_view, scheme_from_config
 from .source import OpenedSource, SourceMeta, check_same_table, open_source, resolve_device, resolve_group

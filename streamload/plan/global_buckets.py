@@ -118,15 +118,17 @@ class _Cut:
         for n in shape[: self.d]:
             self.prefixes *= n
         full, tail = self.step * slab, (size - (self.ranges - 1) * self.step) * slab
-        self._runs = []
-        self._lasts = []
+        self._runs: list[Callable[[int], int]] = []
+        self._lasts: list[int] = []
         for _ in range(self.prefixes):
             self._runs.append(filler.add_run(self.ranges - 1, self._bound(full)))
             self._lasts.append(filler.add(self._bound(tail)))
 
     def _bound(self, n: int) -> int:
         """Wire bytes of ``n`` elements over every copy, with the padding its segments can add."""
-        return n * self.isz * self.layout.copies + ALIGN * min(n * self.layout.copies, self.layout.max_segments)
+        return n * self.isz * self.layout.copies + ALIGN * min(
+            n * self.layout.copies, self.layout.max_segments
+        )
 
     def bucket(self, k: int) -> int:
         p, j = divmod(k, self.ranges)
@@ -150,7 +152,7 @@ class _Cut:
             return list(range(self.ranges * self.prefixes))
         lo, hi = box[self.d]
         js = range(lo // self.step, (hi - 1) // self.step + 1)
-        out = []
+        out: list[int] = []
         for idx in product(*(range(a, b) for a, b in box[: self.d])):
             p = 0
             for i, n in zip(idx, self.shape[: self.d], strict=True):
@@ -215,7 +217,9 @@ def build_served_plan(
                 bucket = made[b] = Bucket([[] for _ in range(rows)], [0] * rows)
             nbytes = box_numel(sub) * isz
             local_start = tuple(ls + s0 - b0 for ls, (s0, _), (b0, _) in zip(start, sub, box, strict=True))
-            bucket.segments[row].append(Segment(t_idx, row, sub, local_start, wire, bucket.rank_bytes[row], nbytes))
+            bucket.segments[row].append(
+                Segment(t_idx, row, sub, local_start, wire, bucket.rank_bytes[row], nbytes)
+            )
             padded = (nbytes + ALIGN - 1) // ALIGN * ALIGN
             bucket.rank_bytes[row] += padded
             rank_total[row] += padded
