@@ -1,21 +1,30 @@
 """Planning cost at thousands of ranks, without any process group: the plan one
-rank (``owners``) or one node's reader (``node``, 8 ranks per node) builds for
+rank (``owners``), one node's reader (``node``, 8 ranks per node) or one
+receiver of the ``src`` reader (``src``) builds for
 a table shaped like DeepSeek-V3 671B (61 layers, the first 3 dense, 256 routed
 experts per MoE layer stored one tensor each as on the hub, bf16), sharded
 FSDP-style (Shard(0)) over 1,024 and 8,192 simulated ranks.
 
 Each rank derives only the placements of the ranks it plans for from the
 layout specs (streamload.model.specs), hashes the specs into the digest the
-ranks all-gather, and builds its bucket plan; the time and the Python memory
+ranks all-gather, and builds its bucket plan (a ``src`` receiver: bucket
+boundaries from the specs alone, its own segments only, as
+streamload.load.prepare does); the time and the Python memory
 peak (tracemalloc, in a separate pass so it does not slow the timed one) are
 printed per rank and for a node's reader.
 
-    python benchmarks/bench_plan.py --ranks 1024 8192
+    python benchmarks/bench_plan.py --ranks 1024 8192 [--repeat 3] [--modes src]
+
+Buckets of a ``src`` plan come from the specs alone (one reader sends every
+copy of every element, so with replicated layouts their number grows with
+the copies; a receiver holds one list slot per bucket and builds only its own
+segments).
 """
 
 from __future__ import annotations
 
 import argparse
+import statistics
 import time
 import tracemalloc
 from collections.abc import Callable
@@ -23,8 +32,16 @@ from typing import Any
 
 from torch.distributed.tensor import Replicate, Shard
 
-from streamload.model.specs import LayoutSpec, MeshInfo, placements_for, spec_digest
+from streamload.model.specs import (
+    LayoutSpec,
+    MeshInfo,
+    global_layout,
+    placement_for,
+    placements_for,
+    spec_digest,
+)
 from streamload.plan.buckets import Plan, Target, build_plan
+from streamload.plan.global_buckets import build_served_plan
 from streamload.plan.regions import SourcePiece, identity_piece
 
 H, VOCAB, LAYERS, DENSE, EXPERTS = 7168, 129280, 61, 3, 256
@@ -89,7 +106,12 @@ def v3_table() -> tuple[dict[str, tuple[str, tuple[int, ...], str]], list[Target
 
 
 def plan_for(
-    targets: list[Target], dtypes: dict[str, str], world: int, layout: str, ranks: list[int]
+    targets: list[Target],
+    dtypes: dict[str, str],
+    world: int,
+    layout: str,
+    ranks: list[int],
+    src: bool = False,
 ) -> tuple[Plan, str]:
     """What one rank does after the table arrives: specs, digest, the served ranks' placements, the plan."""
     if layout == "fsdp":  # one FSDP dim over every rank
@@ -98,27 +120,50 @@ def plan_for(
         mesh, placements = MeshInfo((world // 64, 64), tuple(range(world))), (Replicate(), Shard(0))
     specs = [LayoutSpec(t.shape, "BF16", mesh, placements) for t in targets]
     digest = spec_digest([t.name for t in targets], specs)
+    if src:
+        layouts = [global_layout(s, world) for s in specs]
+
+        def place(row: int, t_idx: int) -> Any:
+            return placement_for(specs[t_idx], ranks[row])
+
+        return build_served_plan(targets, dtypes, layouts, len(ranks), place, BUCKET_BYTES), digest
     return build_plan(targets, dtypes, placements_for(specs, ranks), BUCKET_BYTES), digest
 
 
-def measure(fn: Callable[[], Any]) -> tuple[float, int, Any]:
-    """(seconds, tracemalloc peak bytes, result): timed first, then traced in a second pass."""
-    t0 = time.perf_counter()
-    out = fn()
-    seconds = time.perf_counter() - t0
-    del out
+def measure(fn: Callable[[], Any], repeat: int = 1) -> tuple[list[float], int, Any]:
+    """(seconds of each timed pass, tracemalloc peak bytes, result): ``repeat`` timed passes,
+    then one traced pass (the peak of the same code on the same inputs does not vary)."""
+    times = []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        out = fn()
+        times.append(time.perf_counter() - t0)
+        del out
     tracemalloc.start()
     out = fn()
     peak = tracemalloc.get_traced_memory()[1]
     tracemalloc.stop()
-    return seconds, peak, out
+    return times, peak, out
+
+
+def spread(times: list[float], digits: int = 3) -> str:
+    """The median, with [min-max] when there are several passes."""
+    med = statistics.median(times)
+    if len(times) == 1:
+        return f"{med:.{digits}f}"
+    return f"{med:.{digits}f} [{min(times):.{digits}f}-{max(times):.{digits}f}]"
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--ranks", type=int, nargs="+", default=[1024, 8192])
+    ap.add_argument("--repeat", type=int, default=1, help="timed passes per row (median [min-max])")
+    ap.add_argument(
+        "--modes", nargs="+", default=["owners", "node", "src"], choices=["owners", "node", "src"]
+    )
     args = ap.parse_args()
-    t_table, m_table, (table, targets) = measure(v3_table)
+    tt_table, m_table, (table, targets) = measure(v3_table)
+    t_table = statistics.median(tt_table)
     dtypes = {k: v[0] for k, v in table.items()}
     total = sum(
         2
@@ -144,17 +189,25 @@ def main() -> None:
             node = list(
                 range(me // RANKS_PER_NODE * RANKS_PER_NODE, (me // RANKS_PER_NODE + 1) * RANKS_PER_NODE)
             )
-            for mode, ranks in (("owners (one rank)", [me]), ("node (one node's reader)", node)):
+            modes = (
+                ("owners (one rank)", [me], False),
+                ("node (one node's reader)", node, False),
+                ("src (one receiver)", [me], True),
+            )
+            for mode, ranks, src in modes:
+                if mode.split()[0] not in args.modes:
+                    continue
 
                 def run(
-                    ranks: list[int] = ranks, world: int = world, layout: str = layout
+                    ranks: list[int] = ranks, world: int = world, layout: str = layout, src: bool = src
                 ) -> tuple[Plan, str]:
-                    return plan_for(targets, dtypes, world, layout, ranks)
+                    return plan_for(targets, dtypes, world, layout, ranks, src)
 
-                sec, peak, (plan, _) = measure(run)
+                times, peak, (plan, _) = measure(run, args.repeat)
                 segs = sum(len(s) for b in plan.buckets for s in b.segments)
                 print(
-                    f"| {world} | {layout} | {mode} | {len(ranks)} | {sec:.3f} | {sec + t_table:.2f} | "
+                    f"| {world} | {layout} | {mode} | {len(ranks)} | {spread(times)} | "
+                    f"{spread([t + t_table for t in times], 2)} | "
                     f"{peak / 2**20:.1f} | {(peak + m_table) / 2**20:.0f} | {len(plan.buckets)} | {segs} | "
                     f"{sum(plan.rank_bytes) / 2**30:.1f} GiB |"
                 )

@@ -81,6 +81,7 @@ class SrcScatter(_Routed):
                 source,
                 prep.shards,
                 self._route,
+                prep.served,
             )
         )
 

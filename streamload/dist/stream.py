@@ -52,19 +52,24 @@ def scatter(
     source: Source | None,
     shards: Shards,
     status: StatusRoute | None = None,
+    served: list[int] | None = None,
 ) -> tuple[int, int]:
     """One reader (``source`` given on it only) -> every rank of ``group``.
 
     Args:
         status: where the per-bucket status flags travel (default: ``group``; see ``open_status_route``).
+        served: the group ranks ``plan``'s rows stand for (default: every rank of ``group``);
+            the reader's plan must cover every rank, a receiver's may be its own row alone.
 
     Returns:
         (staging peak bytes, bytes read) on this rank.
     """
     slots = shards.slots
+    rows = served if served is not None else list(range(plan.world_size))
+    row = rows.index(group_rank)
     if device.type == "cpu":
         # The reader's own shards are filled from the files in place.
-        plan.set_direct(src_group_rank)
+        plan.set_direct(rows.index(src_group_rank) if src_group_rank in rows else None)
     else:
         slots = max(slots, 3)  # pack k+2, copy k+1 to the device, scatter k
     packer = (
@@ -73,9 +78,7 @@ def scatter(
         else None
     )
     status = status or open_status_route(group, device, create=False)
-    peak = _stream(
-        plan, group_rank, src_rank, group, device, packer, shards.locals_, slots, shards.progress, status
-    )
+    peak = _stream(plan, row, src_rank, group, device, packer, shards.locals_, slots, shards.progress, status)
     return peak, packer.bytes_read if packer is not None else 0
 
 
@@ -152,7 +155,7 @@ def read_owned(
 
 def _stream(
     plan: Plan,
-    rank: int,
+    row: int,
     src_rank: int,
     group: dist.ProcessGroup | None,
     device: torch.device,
@@ -162,12 +165,15 @@ def _stream(
     progress: bool | None,
     status: StatusRoute,
 ) -> int:
-    """Runs the bucket pipeline; returns the staging ring's peak bytes (reader)."""
+    """Runs the bucket pipeline; returns the staging ring's peak bytes (reader).
+
+    ``row`` is this rank's row in ``plan`` (its group rank on the reader, whose plan covers every rank).
+    """
     transport = Transport(group, src_rank, device)
     ring: StagingRing | None = None
     stager: Stager | None = None
     check = status.check()
-    recv_len = plan.max_rank_bucket_bytes(transport.rank)
+    recv_len = plan.max_rank_bucket_bytes(row)
     # Receivers hold one receive buffer (the memory contract); the reader keeps
     # `slots` buckets in flight so packing k+1 overlaps the transport of k.
     depth = max(1, min(slots, len(plan.buckets))) if packer is not None else 1
@@ -196,7 +202,7 @@ def _stream(
         if stager is not None:
             stager.consumed(k)  # the collective that read bucket k's device bytes is done
         if unpack_it:
-            unpack(plan.buckets[k], transport.rank, recv, locals_)
+            unpack(plan.buckets[k], row, recv, locals_)
 
     previous: tuple[Any, torch.Tensor] | None = None  # the status all-reduce of the last bucket
     try:
@@ -223,7 +229,7 @@ def _stream(
             if send is None and packer is not None:
                 # A failed pack still takes part in the collective it announced.
                 send = stager.device(k) if stager is not None else ring[k] if ring is not None else None
-            recv = recv_ring[k % len(recv_ring)][: bucket.wire_bytes(transport.rank)]
+            recv = recv_ring[k % len(recv_ring)][: bucket.wire_bytes(row)]
             inflight.append((k, recv, transport.start(bucket, send, recv)))
         else:
             failed = previous is not None and check.result(previous)

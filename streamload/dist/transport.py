@@ -38,16 +38,18 @@ class Transport:
         """Starts moving ``bucket``; returns a handle for ``wait``.
 
         Args:
-            bucket: the plan's bucket (its per-rank byte counts are the splits).
+            bucket: the plan's bucket (on the reader, a plan over every rank: its per-rank
+                byte counts are the send splits).
             send: the packed bytes on the reader (None elsewhere).
-            recv: this rank's receive buffer, exactly its byte count long.
+            recv: this rank's receive buffer, exactly its byte count long: a receiver's
+                plan knows its own bytes only, so its split is the buffer's length.
         """
         if self.group is None or self.world == 1:
             if send is not None:
                 recv.copy_(send[: recv.numel()])
             return None
         out_splits = [0] * self.world
-        out_splits[self.group_src] = bucket.wire_bytes(self.rank)
+        out_splits[self.group_src] = recv.numel()
         if self.rank == self.group_src:
             assert send is not None
             in_splits = [bucket.wire_bytes(r) for r in range(self.world)]

@@ -8,6 +8,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from ..dist.readers import ReaderMode
 from ..dist.strategies import StreamResult
 from ..model.state import rebind_ties
 from ..report import LoadReport
@@ -36,8 +37,9 @@ def finalize(prep: Prepared, result: StreamResult) -> LoadReport:
         for r, segs in enumerate(b.segments):
             received[r] += sum(s.nbytes for s in segs)
     world = dist.get_world_size(prep.group) if prep.group is not None else 1
-    if len(prep.served) != world:
+    if world > 1 and (len(prep.served) != world or prep.choice.mode is ReaderMode.SRC):
         # The plan covers this rank's node (or itself) only: one integer per rank gives the rest.
+        # In src mode the reader's plan covers every rank but its receivers' do not: all gather.
         mine = torch.tensor([received[prep.plan_rank]], dtype=torch.int64, device=prep.device)
         every = [torch.zeros(1, dtype=torch.int64, device=prep.device) for _ in range(world)]
         dist.all_gather(every, mine, group=prep.group)

@@ -26,7 +26,14 @@ from ..model.layouts import check_placements
 from ..model.mapped import MappedShards, map_shards
 from ..model.missing import fill_uncovered, snapshot_real
 from ..model.offload import materialize_offloaded, offloads_to_cpu
-from ..model.specs import LayoutSpec, layout_specs, placement_for, placements_for, spec_digest
+from ..model.specs import (
+    LayoutSpec,
+    global_layout,
+    layout_specs,
+    placement_for,
+    placements_for,
+    spec_digest,
+)
 from ..model.state import (
     ModelState,
     get_tensor,
@@ -41,6 +48,7 @@ from ..model.state import (
 )
 from ..plan.buckets import Bucket, Placement, Plan, build_plan, validate_dtypes, validate_shapes
 from ..plan.convert import Conversion, FallbackSources, Table, plan_conversions
+from ..plan.global_buckets import build_served_plan
 from ..plan.keys import KeyMatch, match_keys
 from ..plan.quant import QuantTensor, check_kept, quantized_view, scheme_from_config
 from .source import OpenedSource, SourceMeta, check_same_table, open_source, resolve_device, resolve_group
@@ -133,7 +141,7 @@ class Prepared:
     source: Source | None  # this rank's open checkpoint, where it reads
     match: KeyMatch
     table: Table  # the reader's table plus the conversions' virtual entries
-    placements: list[list[Placement]]  # the served ranks', in ``served`` order
+    placements: list[list[Placement]]  # the served ranks', in ``served`` order (``src``: this rank's own)
     plan: Plan  # over the served ranks: row i is group rank served[i]
     bucket_bytes: int
     shards: Shards
@@ -164,16 +172,19 @@ class _Local:
     quant: dict[str, QuantTensor] = field(default_factory=dict)
 
 
-def served_ranks(choice: ReaderChoice, group_rank: int, world: int) -> list[int]:
-    """The group ranks this rank plans for: every rank (``src``), its node's, or itself (``owners``).
+def served_ranks(choice: ReaderChoice, group_rank: int, world: int, src: int | None = None) -> list[int]:
+    """The group ranks this rank plans for: its node's, itself (``owners``, a ``src`` receiver),
+    or every rank (the ``src`` reader, group rank ``src``; every rank when ``src`` is None).
 
     A rank's planning cost is then its targets times these ranks, never times the world
-    size except in ``src`` mode, where one reader does serve every rank.
+    size except on the ``src`` reader, which does serve every rank.
     """
     if choice.mode is ReaderMode.OWNERS:
         return [group_rank]
     if choice.mode is ReaderMode.NODE:
         return list(next(ranks for ranks in choice.nodes if group_rank in ranks))
+    if src is not None and group_rank != src:
+        return [group_rank]
     return list(range(world))
 
 
@@ -300,12 +311,15 @@ def _plan_and_map(
         # Every rank fills its shards in place: no staging, no wire. A bucket is
         # then only the stride of the error check, and a coarse one costs less.
         bucket_bytes = max(bucket_bytes, OWNERS_CPU_BUCKET_BYTES)
-    served = served_ranks(choice, group_rank, world)
+    served = served_ranks(choice, group_rank, world, src_group_rank)
     glob = [dist.get_global_rank(group, r) for r in served] if group is not None else [rank]
-    placements = placements_for(local.specs, glob)
-    validate_dtypes(local.match.targets, local.table, placements)
     dtypes = {k: v[0] for k, v in local.table.items()}
-    plan = build_plan(local.match.targets, dtypes, placements, bucket_bytes)
+    if choice.mode is ReaderMode.SRC:
+        plan, placements = _src_plan(local, dtypes, glob, world, bucket_bytes)
+    else:
+        placements = placements_for(local.specs, glob)
+        validate_dtypes(local.match.targets, local.table, placements)
+        plan = build_plan(local.match.targets, dtypes, placements, bucket_bytes)
     if rank == options.src_rank and meta.tie_conflicts:
         warnings.warn(
             f"streamload: checkpoint holds tied tensors with different values: {meta.tie_conflicts}; "
@@ -332,6 +346,33 @@ def _plan_and_map(
         model, options, clock, state, group, device, rank, group_rank, src_group_rank, choice, meta, ckpt,
         local.match, local.table, placements, plan, bucket_bytes, shards, mapped, local.unrestored, served,
     )  # fmt: skip
+
+
+def _src_plan(
+    local: _Local, dtypes: dict[str, str], glob: list[int], world: int, bucket_bytes: int
+) -> tuple[Plan, list[list[Placement]]]:
+    """The ``src`` plan over ``glob`` (every rank on the reader, this rank alone on a receiver).
+
+    Bucket boundaries come from the specs alone (``build_served_plan``), so a receiver places
+    no other rank. Every rank's dtype is its spec's, which the digest proved equal everywhere:
+    checking this rank's own gives every rank the same verdict.
+    """
+    assert local.match is not None
+    targets = local.match.targets
+    validate_dtypes(targets, local.table, [local.mine])
+    layouts = [global_layout(s, world) for s in local.specs]
+    if len(glob) == 1:
+        mine = local.mine  # this rank's own, checked against its spec in _check_and_materialize
+
+        def place(row: int, t_idx: int) -> Placement:
+            return mine[t_idx]
+
+    else:
+
+        def place(row: int, t_idx: int) -> Placement:
+            return placement_for(local.specs[t_idx], glob[row])
+
+    return build_served_plan(targets, dtypes, layouts, len(glob), place, bucket_bytes), [local.mine]
 
 
 def _check_and_materialize(

@@ -16,9 +16,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from torch.distributed.tensor import Replicate
+from torch.distributed.tensor.placement_types import _StridedShard
 
 from ..io.copy_ops import ST_DTYPES
 from ..plan.buckets import Placement
+from ..plan.global_buckets import GlobalLayout
 from .layouts import local_layout
 
 
@@ -145,6 +148,41 @@ def placements_for(specs: Sequence[LayoutSpec], ranks: Sequence[int]) -> list[li
         >>> plan = build_plan(targets, dtypes, placements_for(specs, node_ranks), bucket_bytes)
     """
     return [[placement_for(s, r) for s in specs] for r in ranks]
+
+
+def global_layout(spec: LayoutSpec, world: int) -> GlobalLayout:
+    """What every rank knows of ``spec``'s layout over all ranks, without placing any rank.
+
+    Shard and _StridedShard tile a tensor dim exactly once over their mesh dim
+    (uneven and empty chunks included), so each element has one copy per
+    Replicate coordinate and per sibling instance of the mesh; a plain tensor
+    has one on every rank. Only the bucket boundaries depend on it, so a wrong
+    count could cost memory, never a byte's place.
+
+    Args:
+        spec: the target's layout spec.
+        world: the group's size (the holders of a plain tensor).
+
+    Returns:
+        Its GlobalLayout (dtype, copies, bound on its (rank, box) pairs).
+
+    Example:
+        >>> global_layout(LayoutSpec((8, 4), "BF16", MeshInfo((2, 4), tuple(range(8))), (Replicate(), Shard(0))), 8).copies
+        2
+    """
+    if spec.mesh is None:
+        return GlobalLayout(spec.dtype, world, world)
+    size = 1
+    for n in spec.mesh.shape:
+        size *= n
+    copies = len(spec.mesh.ranks) // max(size, 1)
+    boxes = 1
+    for n, p in zip(spec.mesh.shape, spec.placements, strict=True):
+        if isinstance(p, Replicate):
+            copies *= n
+        elif isinstance(p, _StridedShard):
+            boxes *= int(p.split_factor)  # each strided split can multiply the runs of a dim at most this much
+    return GlobalLayout(spec.dtype, copies, len(spec.mesh.ranks) * boxes)
 
 
 def spec_digest(names: Sequence[str], specs: Sequence[LayoutSpec]) -> str:
