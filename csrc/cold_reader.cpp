@@ -136,7 +136,7 @@ void evict(const std::string& path, uint64_t offset, uint64_t length, bool sync)
 ColdReader::Buffer::~Buffer() { std::free(p); }
 
 ColdReader::ColdReader(size_t threads, uint64_t block_bytes, DirectMode direct, bool drop_behind)
-    : pool_(threads ? threads : 4),
+    : pool_(threads ? threads : 8),
       block_(align_up(std::max<uint64_t>(block_bytes, kDirectAlign))),
       direct_(direct),
       drop_behind_(drop_behind),

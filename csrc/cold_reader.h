@@ -53,8 +53,8 @@ void evict(const std::string& path, uint64_t offset, uint64_t length, bool sync)
 
 class ColdReader {
  public:
-  // threads: preads in flight (0: 4). block_bytes: the size of one read
-  // (rounded up to kDirectAlign). drop_behind: DONTNEED each window once
+  // threads: preads in flight (0: 8; they wait on the disk, not the CPU).
+  // block_bytes: the size of one read (rounded up to kDirectAlign). drop_behind: DONTNEED each window once
   // consumed, so the checkpoint does not stay in the page cache.
   ColdReader(size_t threads, uint64_t block_bytes, DirectMode direct, bool drop_behind);
 
