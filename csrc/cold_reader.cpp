@@ -220,7 +220,11 @@ ReadStats ColdReader::read(const std::string& path, const std::vector<ReadRange>
     if (direct_ok.load()) {
       // A window inside one range whose destination is aligned needs no bounce.
       char* target = nullptr;
-      if (single && first->offset <= win.begin && first->offset + first->nbytes >= win.end) {
+      // At the end of the file, a destination with room for the whole aligned
+      // window qualifies too: the read stops at the end of the file.
+      uint64_t r_end = first->offset + first->nbytes;
+      if (single && first->offset <= win.begin &&
+          (r_end >= win.end || (r_end == f.size && win.end - first->offset <= first->dst_len))) {
         char* d = first->dst + (win.begin - first->offset);
         if (reinterpret_cast<uintptr_t>(d) % kDirectAlign == 0) target = d;
       }

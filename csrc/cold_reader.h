@@ -63,7 +63,10 @@ class ColdReader {
 
   // Reads every range (sorted by offset, not overlapping, inside the file,
   // each nbytes <= dst_len: checked before anything is read). Ranges closer
-  // than one block share a read. Throws FileError.
+  // than 1 MiB share a read. A window inside one range whose destination is
+  // aligned like its file offset is read straight into place (no bounce);
+  // callers that lay out their buffers so get O_DIRECT without a copy.
+  // Throws FileError.
   ReadStats read(const std::string& path, const std::vector<ReadRange>& ranges);
 
   // Reads the whole of every file once, in file order, into the bounce

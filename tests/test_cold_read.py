@@ -266,3 +266,20 @@ def test_probe_reads_every_byte_once(tmp_path: Path) -> None:
         assert stats["seconds"] > 0
         if direct == "off":
             assert stats["direct_windows"] == 0
+
+
+def test_aligned_layout_up_to_the_end_of_the_file(unaligned: Path) -> None:
+    """Ranges widened to aligned bounds (the last one ending at the end of an
+    unaligned file) into aligned destinations: read in place."""
+    size = unaligned.stat().st_size
+    assert size % ALIGN
+    whole = unaligned.read_bytes()
+    cut = (size // 2) // ALIGN * ALIGN
+    spans = [(0, cut), (cut, size - cut)]
+    rows = [(a, n, _aligned_empty(-(-n // ALIGN) * ALIGN)) for a, n in spans]
+    for direct in ("auto", "off"):
+        for _, _, d in rows:
+            d.zero_()
+        _read(ext.ColdReader(threads=2, block_bytes=3 * ALIGN, direct=direct), unaligned, rows)
+        for a, n, d in rows:
+            assert bytes(d[:n].numpy()) == whole[a : a + n]
