@@ -1,0 +1,1 @@
+"""dist: agreement protocol, transport, staging, bucket pipelines and the reader strategies."""
