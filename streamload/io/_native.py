@@ -11,6 +11,12 @@ default_threads = _ext.default_threads
 OP_FIELDS: int = _ext.OP_FIELDS
 MAX_DIMS: int = _ext.MAX_DIMS
 DTYPE_CODES: dict[str, int] = dict(_ext.DTYPE_CODES)
+# Cold reads (csrc/cold_reader.h): explicit aligned preads, residency, eviction.
+ColdReader = _ext.ColdReader
+residency = _ext.residency
+evict = _ext.evict
+DIRECT_ALIGN: int = _ext.DIRECT_ALIGN
+RANGE_FIELDS: int = _ext.RANGE_FIELDS
 
 
 def cuda_module():
@@ -23,12 +29,17 @@ def cuda_module():
 
 
 __all__ = [
+    "DIRECT_ALIGN",
     "DTYPE_CODES",
     "MAX_DIMS",
     "OP_FIELDS",
+    "RANGE_FIELDS",
+    "ColdReader",
     "CopyEngine",
     "SafetensorsFile",
     "cuda_module",
     "default_threads",
+    "evict",
     "parse_header",
+    "residency",
 ]
