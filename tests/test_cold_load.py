@@ -128,3 +128,14 @@ def test_auto_and_drop_cache_in_a_load(group: RankGroup, ckpts: dict[str, str]) 
         cases_cold.case_cold_load, ckpt=ckpt, ws=3, read_mode="cold", buffered=True, drop_cache=True
     )
     assert res[0]["resident"] < 0.01
+
+
+@pytest.mark.parametrize("chunk", [64, 1000, 4096])
+def test_chunked_reads_bit_exact(ckpts: dict[str, str], chunk: int) -> None:
+    """Ops cut along their outer dims into many small chunks, read on the helper
+    thread while the previous chunk is copied: the same bytes."""
+    c = Checkpoint(ckpts["one_file"], mode="cold")
+    c.engine = cold.ColdEngine(c.engine.engine, c.files, block_bytes=4096, chunk_bytes=chunk)
+    _check_all(c, ckpts["one_file"])
+    assert c.engine.stats.reads > 10
+    c.engine.close()

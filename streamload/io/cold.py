@@ -18,6 +18,7 @@ from __future__ import annotations
 import ctypes
 import os
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -34,8 +35,8 @@ ALIGN = _native.DIRECT_ALIGN
 _F = _native.OP_FIELDS
 _D = _native.MAX_DIMS
 # Columns of an op row (csrc/copy_engine.h, CopyOp).
-_FILE, _SRC, _SRC_NBYTES, _SRC_DTYPE, _NDIM, _SRC_OFFSET = 0, 1, 2, 3, 7, 8
-_SHAPE, _SRC_STRIDE = 10, 10 + _D
+_FILE, _SRC, _SRC_NBYTES, _SRC_DTYPE, _NDIM, _SRC_OFFSET, _DST_OFFSET = 0, 1, 2, 3, 7, 8, 9
+_SHAPE, _SRC_STRIDE, _DST_STRIDE = 10, 10 + _D, 10 + 2 * _D
 
 
 def residency(paths: Sequence[str | os.PathLike[str]]) -> float:
@@ -108,11 +109,18 @@ class ColdStats:
 class ColdEngine:
     """A ``CopyEngine`` whose file reads are explicit, large and aligned.
 
+    A batch's file ops are cut (along their outer dims) into chunks of at most
+    ``chunk_bytes`` of source spans; two read buffers alternate, so the disk
+    reads chunk k+1 (on a helper thread, GIL released) while the engine copies
+    chunk k out of memory. Memory: two buffers of about ``chunk_bytes``, plus
+    the reader's bounce buffers for reads it cannot land in place.
+
     Args:
         engine: the native CopyEngine that runs the rewritten ops.
         files: the checkpoint's opened files (``SafetensorsFile``), in file-index order.
-        threads: reads in flight per file (0: the native default).
+        threads: reads in flight (0: the native default).
         block_bytes: bytes per read.
+        chunk_bytes: source bytes per chunk (per read buffer).
         drop_cache: drop each window from the page cache once read.
     """
 
@@ -121,7 +129,8 @@ class ColdEngine:
         engine: Any,
         files: Sequence[Any],
         threads: int = 0,
-        block_bytes: int = 8 << 20,
+        block_bytes: int = 4 << 20,
+        chunk_bytes: int = 32 << 20,
         drop_cache: bool = False,
     ) -> None:
         self.engine = engine
@@ -129,8 +138,10 @@ class ColdEngine:
         self.sizes = np.array([f.file_size for f in files], dtype=np.int64)
         self.data_starts = np.array([f.data_start for f in files], dtype=np.int64)
         self.reader = _native.ColdReader(threads=threads, block_bytes=block_bytes, drop_behind=drop_cache)
+        self.chunk_bytes = chunk_bytes
         self.stats = ColdStats()
-        self._buffer: torch.Tensor | None = None
+        self._buffers: list[torch.Tensor | None] = [None, None]
+        self._pool: ThreadPoolExecutor | None = None
         self._itemsize = np.zeros(max(_native.DTYPE_CODES.values()) + 1, dtype=np.int64)
         for name, code in _native.DTYPE_CODES.items():
             self._itemsize[code] = torch.empty((), dtype=TORCH_DTYPES[name]).element_size()
@@ -139,43 +150,57 @@ class ColdEngine:
     def threads(self) -> int:
         return int(self.engine.threads)
 
-    def release(self) -> None:
-        """Frees the read buffer (it is grown to the largest batch's spans)."""
-        self._buffer = None
+    def close(self) -> None:
+        """Frees the read buffers and the helper thread."""
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
+        self._buffers = [None, None]
 
-    def _buffer_at_least(self, nbytes: int) -> int:
-        """The aligned address of a read buffer of at least ``nbytes``."""
-        if self._buffer is None or self._buffer.numel() < nbytes + ALIGN:
-            self._buffer = None
-            self._buffer = torch.empty(nbytes + ALIGN, dtype=torch.uint8)
-        base = self._buffer.data_ptr()
+    def _buffer(self, which: int, nbytes: int) -> int:
+        """The aligned address of read buffer ``which``, grown to ``nbytes``."""
+        buf = self._buffers[which]
+        if buf is None or buf.numel() < nbytes + ALIGN:
+            self._buffers[which] = None
+            buf = self._buffers[which] = torch.empty(nbytes + ALIGN, dtype=torch.uint8)
+        base = buf.data_ptr()
         return base + (-base) % ALIGN
 
-    def execute(self, files: Sequence[Any], ops: int, ops_nbytes: int) -> int:
-        """Reads the spans the ops need, then runs them from memory; returns the
-        source bytes the ops read (as ``CopyEngine.execute``)."""
-        n = ops_nbytes // (8 * _F)
-        if n == 0 or ops_nbytes % (8 * _F):
-            return int(self.engine.execute(list(files), ops, ops_nbytes))
-        rows = np.ctypeslib.as_array((ctypes.c_int64 * (n * _F)).from_address(ops)).reshape(n, _F).copy()
-        shape = rows[:, _SHAPE : _SHAPE + _D]
-        # Ops with no elements or from memory stay as they are; the engine validates them.
-        sel = np.nonzero((rows[:, _FILE] >= 0) & (shape.prod(axis=1) > 0))[0]
-        if len(sel) == 0:
-            return int(self.engine.execute(list(files), ops, ops_nbytes))
-        sub = rows[sel]
-        if (sub[:, _FILE] >= len(self.paths)).any() or (sub[:, _SRC_DTYPE] >= len(self._itemsize)).any():
-            return int(self.engine.execute(list(files), ops, ops_nbytes))  # the engine raises the error
-        span = (sub[:, _SHAPE : _SHAPE + _D] - 1) * sub[:, _SRC_STRIDE : _SRC_STRIDE + _D]
-        lo = sub[:, _SRC_OFFSET] + np.minimum(span, 0).sum(axis=1)
-        hi = sub[:, _SRC_OFFSET] + np.maximum(span, 0).sum(axis=1)
-        isz = self._itemsize[sub[:, _SRC_DTYPE]]
-        fidx = sub[:, _FILE]
-        a = self.data_starts[fidx] + sub[:, _SRC] + lo * isz  # absolute file offsets
-        b = self.data_starts[fidx] + sub[:, _SRC] + (hi + 1) * isz
-        # Out-of-bounds regions are the engine's to report: leave those ops alone.
-        ok = (lo >= 0) & ((hi + 1) * isz <= sub[:, _SRC_NBYTES]) & (b <= self.sizes[fidx])
-        sel, sub, lo, hi, isz, fidx, a, b = sel[ok], sub[ok], lo[ok], hi[ok], isz[ok], fidx[ok], a[ok], b[ok]
+    def _extents(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Per op: first and last source element, and the source item size."""
+        span = (rows[:, _SHAPE : _SHAPE + _D] - 1) * rows[:, _SRC_STRIDE : _SRC_STRIDE + _D]
+        lo = rows[:, _SRC_OFFSET] + np.minimum(span, 0).sum(axis=1)
+        hi = rows[:, _SRC_OFFSET] + np.maximum(span, 0).sum(axis=1)
+        return lo, hi, self._itemsize[rows[:, _SRC_DTYPE]]
+
+    def _pieces(self, row: np.ndarray) -> list[np.ndarray]:
+        """``row`` cut along its outer dims until each piece's source span fits a chunk."""
+        lo, hi, isz = (int(x[0]) for x in self._extents(row[None]))
+        if (hi - lo + 1) * isz <= self.chunk_bytes:
+            return [row]
+        ndim = int(row[_NDIM])
+        dims = [d for d in range(ndim) if row[_SHAPE + d] > 1 and row[_SRC_STRIDE + d] != 0]
+        if not dims:
+            return [row]
+        d = dims[0]
+        n, ss, ds = int(row[_SHAPE + d]), int(row[_SRC_STRIDE + d]), int(row[_DST_STRIDE + d])
+        step = max(1, self.chunk_bytes // (abs(ss) * isz))
+        out: list[np.ndarray] = []
+        for k in range(0, n, step):
+            piece = row.copy()
+            piece[_SHAPE + d] = min(step, n - k)
+            piece[_SRC_OFFSET] += k * ss
+            piece[_DST_OFFSET] += k * ds
+            out.extend(self._pieces(piece))
+        return out
+
+    def _read_chunk(self, rows: np.ndarray, which: int) -> np.ndarray:
+        """Reads the spans of ``rows`` (file ops, in bounds) into buffer ``which``;
+        returns the ops rewritten to copy from it."""
+        lo, hi, isz = self._extents(rows)
+        fidx = rows[:, _FILE]
+        a = self.data_starts[fidx] + rows[:, _SRC] + lo * isz  # absolute file offsets
+        b = self.data_starts[fidx] + rows[:, _SRC] + (hi + 1) * isz
         # Aligned spans per file, merged, laid out aligned: every read lands in place.
         plan: list[tuple[int, np.ndarray, np.ndarray]] = []
         total = 0
@@ -197,24 +222,87 @@ class ColdEngine:
             pos = total + np.concatenate([[0], np.cumsum(room)[:-1]])
             total += int(room.sum())
             plan.append((int(f), st, np.stack([en - st, pos, room], axis=1)))
-        base = self._buffer_at_least(total)
-        where = np.empty(len(sel), dtype=np.int64)
+        base = self._buffer(which, total)
+        where = np.empty(len(rows), dtype=np.int64)
         for f, st, info in plan:
             m = np.nonzero(fidx == f)[0]
             k = np.searchsorted(st, a[m], side="right") - 1
             where[m] = base + info[k, 1] + (a[m] - st[k])
-            ranges = np.stack([st, info[:, 0], base + info[:, 1], info[:, 2]], axis=1).astype(np.int64)
-            ranges = np.ascontiguousarray(ranges)
+            ranges = np.ascontiguousarray(np.stack([st, info[:, 0], base + info[:, 1], info[:, 2]], axis=1))
             s = self.reader.read(self.paths[f], ranges.ctypes.data, ranges.nbytes)
             self.stats.bytes_read += int(s["bytes_read"])
             self.stats.seconds += float(s["seconds"])
             self.stats.reads += int(s["windows"])
             self.stats.direct_reads += int(s["direct_windows"])
             self.stats.direct_refused |= bool(s["direct_refused"])
-        rows[sel, _FILE] = -1
-        rows[sel, _SRC] = where
-        rows[sel, _SRC_NBYTES] = (hi - lo + 1) * isz
-        rows[sel, _SRC_OFFSET] -= lo
+        out = rows.copy()
+        out[:, _FILE] = -1
+        out[:, _SRC] = where
+        out[:, _SRC_NBYTES] = (hi - lo + 1) * isz
+        out[:, _SRC_OFFSET] -= lo
+        return np.ascontiguousarray(out)
+
+    def _run(self, files: Sequence[Any], rows: np.ndarray) -> int:
+        if len(rows) == 0:
+            return 0
         rows = np.ascontiguousarray(rows)
-        done = int(self.engine.execute(list(files), rows.ctypes.data, rows.nbytes))
+        return int(self.engine.execute(list(files), rows.ctypes.data, rows.nbytes))
+
+    def execute(self, files: Sequence[Any], ops: int, ops_nbytes: int) -> int:
+        """Reads the spans the ops need, chunk by chunk, and runs the ops from
+        memory; returns the source bytes read (as ``CopyEngine.execute``)."""
+        n = ops_nbytes // (8 * _F)
+        if n == 0 or ops_nbytes % (8 * _F):
+            return int(self.engine.execute(list(files), ops, ops_nbytes))
+        rows = np.ctypeslib.as_array((ctypes.c_int64 * (n * _F)).from_address(ops)).reshape(n, _F).copy()
+        fidx = rows[:, _FILE]
+        cold = (fidx >= 0) & (fidx < len(self.paths)) & (rows[:, _SHAPE : _SHAPE + _D].prod(axis=1) > 0)
+        cold &= (rows[:, _SRC_DTYPE] >= 0) & (rows[:, _SRC_DTYPE] < len(self._itemsize))
+        cold &= (
+            (rows[:, _NDIM] >= 0) & (rows[:, _NDIM] <= _D) & (rows[:, _SHAPE : _SHAPE + _D] >= 0).all(axis=1)
+        )
+        lo, hi, isz = self._extents(rows)
+        f = np.clip(fidx, 0, max(len(self.paths) - 1, 0))
+        end = self.data_starts[f] + rows[:, _SRC] + (hi + 1) * isz
+        # Ops out of bounds (the engine's to report) and ops from memory run first, as they are:
+        # a bad batch then fails before any chunk is written.
+        cold &= (
+            (lo >= 0)
+            & ((hi + 1) * isz <= rows[:, _SRC_NBYTES])
+            & (rows[:, _SRC] >= 0)
+            & (end <= self.sizes[f])
+        )
+        done = self._run(files, rows[~cold])
+        if not cold.any():
+            return done
+        pieces = [p for r in rows[cold] for p in self._pieces(r)]
+        cut = np.stack(pieces)
+        plo, phi, pisz = self._extents(cut)
+        start = self.data_starts[cut[:, _FILE]] + cut[:, _SRC] + plo * pisz
+        order = np.lexsort((start, cut[:, _FILE]))  # file order: the disk reads front to back
+        chunks: list[np.ndarray] = []
+        acc, first = 0, 0
+        nbytes = (phi - plo + 1) * pisz
+        for i, k in enumerate(order.tolist()):
+            if i > first and acc + nbytes[k] > self.chunk_bytes:
+                chunks.append(order[first:i])
+                first, acc = i, 0
+            acc += int(nbytes[k])
+        chunks.append(order[first:])
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(1, thread_name_prefix="streamload-cold")
+        pending = {0: self._pool.submit(self._read_chunk, cut[chunks[0]], 0)}
+        try:
+            for k in range(len(chunks)):
+                ready = pending.pop(k).result()
+                if k + 1 < len(chunks):  # read k+1 into the other buffer while k is copied
+                    pending[k + 1] = self._pool.submit(self._read_chunk, cut[chunks[k + 1]], (k + 1) % 2)
+                done += self._run(files, ready)
+        finally:
+            for fut in pending.values():  # never leave a read writing into a buffer
+                fut.cancel()
+                try:
+                    fut.result()
+                except BaseException:  # noqa: BLE001, S110 - the first error is already on its way
+                    pass
         return done
