@@ -82,6 +82,27 @@ void bind_cold(py::module_& m) {
           },
           py::arg("path"), py::arg("ranges"), py::arg("ranges_nbytes"))
       .def(
+          "prefetch",
+          // ranges: address and byte length of a C-contiguous int64 (n, 2) array: offset, bytes.
+          [](ColdReader& r, const std::string& path, uintptr_t ranges, uint64_t ranges_nbytes) {
+            if (ranges_nbytes % (2 * sizeof(int64_t)) != 0)
+              throw py::value_error("ranges buffer is not a whole number of (offset, bytes) records");
+            if (ranges_nbytes > 0 && ranges == 0) throw py::value_error("null ranges buffer");
+            const int64_t* p = reinterpret_cast<const int64_t*>(ranges);
+            std::vector<std::pair<uint64_t, uint64_t>> rs(ranges_nbytes / (2 * sizeof(int64_t)));
+            for (size_t i = 0; i < rs.size(); ++i) {
+              if (p[2 * i] < 0 || p[2 * i + 1] < 0) throw py::value_error("negative prefetch range");
+              rs[i] = {static_cast<uint64_t>(p[2 * i]), static_cast<uint64_t>(p[2 * i + 1])};
+            }
+            ReadStats s;
+            {
+              py::gil_scoped_release nogil;
+              s = r.prefetch(path, std::move(rs));
+            }
+            return stats_dict(s);
+          },
+          py::arg("path"), py::arg("ranges"), py::arg("ranges_nbytes"))
+      .def(
           "probe",
           [](ColdReader& r, const std::vector<std::string>& paths) {
             ReadStats s;

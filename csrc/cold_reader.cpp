@@ -282,6 +282,46 @@ ReadStats ColdReader::read(const std::string& path, const std::vector<ReadRange>
   return stats;
 }
 
+ReadStats ColdReader::prefetch(const std::string& path, std::vector<std::pair<uint64_t, uint64_t>> ranges) {
+  auto t0 = std::chrono::steady_clock::now();
+  Fds f(path, DirectMode::Off);
+  ReadStats stats;
+  for (const auto& r : ranges)
+    if (r.first > f.size || r.second > f.size - r.first)
+      throw FileError("prefetch range past the end of the file", path);
+  std::sort(ranges.begin(), ranges.end());
+  std::vector<Window> windows;  // merged, then cut into blocks
+  for (const auto& r : ranges) {
+    if (r.second == 0) continue;
+    stats.bytes_requested += r.second;
+    uint64_t s = r.first, e = r.first + r.second;
+    if (!windows.empty() && s <= windows.back().end) s = std::max(s, windows.back().end);
+    for (; s < e; s += block_) {
+      uint64_t end = std::min(e, s + block_);
+      if (!windows.empty() && windows.back().end == s && end - windows.back().begin <= block_)
+        windows.back().end = end;
+      else
+        windows.push_back({s, end});
+    }
+  }
+  std::atomic<uint64_t> bytes{0};
+  pool_.run(windows.size(), [&](size_t w) {
+    char* buf = acquire();
+    try {
+      uint64_t n = windows[w].end - windows[w].begin;
+      bytes.fetch_add(static_cast<uint64_t>(read_span(f.buffered, buf, windows[w].begin, n, n, false, path)));
+    } catch (...) {
+      release(buf);
+      throw;
+    }
+    release(buf);
+  });
+  stats.bytes_read = bytes.load();
+  stats.windows = windows.size();
+  stats.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  return stats;
+}
+
 ReadStats ColdReader::probe(const std::vector<std::string>& paths) {
   std::vector<std::unique_ptr<Fds>> files;
   for (const auto& p : paths) files.push_back(std::make_unique<Fds>(p, direct_));

@@ -69,6 +69,11 @@ class ColdReader {
   // Throws FileError.
   ReadStats read(const std::string& path, const std::vector<ReadRange>& ranges);
 
+  // Reads the ranges ({offset, nbytes}, in the file) through the page cache,
+  // several in flight, and discards the bytes: afterwards they are cached, so
+  // a mapping of them reads nothing from disk. Never drops behind.
+  ReadStats prefetch(const std::string& path, std::vector<std::pair<uint64_t, uint64_t>> ranges);
+
   // Reads the whole of every file once, in file order, into the bounce
   // buffers and discards it: the disk's sequential read bandwidth. Without
   // O_DIRECT the files are evicted first (else this measures the page cache).

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import os
 from pathlib import Path
 
@@ -32,6 +33,8 @@ def case_cold_load(
         return None
     group = mesh.get_group()
     paths = sorted(str(p) for p in Path(ckpt).glob("*.safetensors"))
+    gc.collect()  # a previous case's model may still map the files: its pages could not be evicted
+    dist.barrier(group=group)
     if rank == 0:
         cold.evict(paths)
     dist.barrier(group=group)
@@ -59,4 +62,9 @@ def case_cold_load(
     assert not bad, f"differ from transformers: {bad}"
     assert tied(model) == tied(ref)
     rep = model.streamload_report
-    return {"resident": resident, "read_mode": rep.read_mode, "reader": rep.reader}
+    return {
+        "resident": resident,
+        "read_mode": rep.read_mode,
+        "reader": rep.reader,
+        "mapped": rep.bytes_mapped,
+    }

@@ -283,3 +283,22 @@ def test_aligned_layout_up_to_the_end_of_the_file(unaligned: Path) -> None:
         _read(ext.ColdReader(threads=2, block_bytes=3 * ALIGN, direct=direct), unaligned, rows)
         for a, n, d in rows:
             assert bytes(d[:n].numpy()) == whole[a : a + n]
+
+
+def test_prefetch_fills_the_page_cache(tmp_path: Path) -> None:
+    p = tmp_path / "pre.safetensors"
+    save_file(_tensors(5, [1 << 20, 1 << 20, 1 << 20]), str(p))
+    ext.evict(str(p))
+    if _resident(p) > 0.01:
+        pytest.skip("this file system keeps pages after POSIX_FADV_DONTNEED")
+    size = p.stat().st_size
+    a, n = size // 4 + 3, size // 2
+    arr = torch.tensor([[a, n], [a + 10, 7]], dtype=torch.int64)  # overlapping ranges merge
+    stats = ext.ColdReader(threads=3, block_bytes=64 << 10).prefetch(str(p), arr.data_ptr(), arr.numel() * 8)
+    assert stats["bytes_read"] == n
+    got, total = ext.residency(str(p), a, n)
+    assert got >= total - 2  # the ends may share a page with what was not asked for
+    assert ext.residency(str(p), 0, a - 8192)[0] == 0  # readahead only runs forward
+    bad = torch.tensor([[size - 1, 2]], dtype=torch.int64)
+    with pytest.raises(errors.CheckpointFileError, match="past the end"):
+        ext.ColdReader().prefetch(str(p), bad.data_ptr(), 16)

@@ -154,7 +154,10 @@ class Checkpoint:
         self.mode = mode
         paths, weight_map = resolve_files(self.path)
         chosen = cold.choose_read_mode(mode, paths)
-        self.files = [_native.SafetensorsFile(str(p), "pread" if chosen == "cold" else chosen) for p in paths]
+        # Cold reads go around the mapping, but shards that are views of the files need it
+        # (their pages are prefetched at the disk's speed); drop_cache leaves no pages to view.
+        native_mode = ("pread" if drop_cache else "auto") if chosen == "cold" else chosen
+        self.files = [_native.SafetensorsFile(str(p), native_mode) for p in paths]
         self.engine: Any = _native.CopyEngine(threads or 0)
         if chosen == "cold":
             self.engine = cold.ColdEngine(self.engine, self.files, drop_cache=drop_cache)

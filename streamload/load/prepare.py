@@ -204,6 +204,9 @@ def prepare(
             mapped = map_shards(
                 plan.targets, [p.box for p in local.mine], local.tensors, locals_, ckpt, model
             )
+            if mapped.ranges and ckpt.read_mode == "cold":
+                # Views of cold files would fault page by page at first touch: read them in now.
+                ckpt.engine.prefetch(mapped.ranges)
     clock.mark("plan")
     fallbacks = FallbackSources(local.conversion, ckpt, model) if ckpt is not None else None
     shards = Shards(locals_, fallbacks, options.slots, options.progress, mapped.targets)
