@@ -8,4 +8,5 @@ void bind_errors(pybind11::module_& m);
 void bind_file(pybind11::module_& m);
 void bind_copy(pybind11::module_& m);
 void bind_quant(pybind11::module_& m);
+void bind_cold(pybind11::module_& m);
 }  // namespace streamload

@@ -31,6 +31,7 @@ class LoadReport:
         converted: targets built by fusing/converting checkpoint tensors.
         unrestored_buffers: non-persistent buffers that could not be recomputed.
         reader: reader mode and why it was chosen.
+        read_mode: how this rank read the files ("mmap", "pread" or "cold"; "" where it read none).
         phases: seconds spent in open, match, materialize, plan, stream, finalize.
     """
 
@@ -52,6 +53,7 @@ class LoadReport:
     converted: dict[str, str] = field(default_factory=dict)
     unrestored_buffers: list[str] = field(default_factory=list)
     reader: str = "src"
+    read_mode: str = ""
     phases: dict[str, float] = field(default_factory=dict)  # seconds per stage on this rank
 
     def to_dict(self) -> dict[str, Any]:

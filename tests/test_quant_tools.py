@@ -133,3 +133,22 @@ def test_keep_quantized_loads_values_and_scales_as_they_are(tmp_path: Path) -> N
     streamload.load_checkpoint(model, str(ckpt), progress=False)
     ref = _load(ckpt)
     assert all(torch.equal(bit_view(v), bit_view(ref[k])) for k, v in model.state_dict().items())
+
+
+@pytest.mark.parametrize("drop_cache", [False, True])
+def test_cold_reads_dequantize_like_mapped_ones(fp8_moe: Path, drop_cache: bool) -> None:
+    """read_mode='cold' wraps the native engine; dequantizing ops must still run, bit-exact."""
+    from transformers import AutoConfig
+
+    from streamload.io.checkpoint import Checkpoint
+    from streamload.io.dequant import read_dequantized
+    from streamload.plan.quant import quantized_view, scheme_from_config
+
+    scheme = scheme_from_config(AutoConfig.from_pretrained(str(fp8_moe)))
+    mapped = Checkpoint(fp8_moe, mode="mmap")
+    cold = Checkpoint(fp8_moe, mode="cold", drop_cache=drop_cache)
+    table = {t.name: (t.dtype, tuple(t.shape), t.file) for t in mapped.tensors}
+    _, quant = quantized_view(table, scheme)
+    assert quant
+    for q in quant.values():
+        assert torch.equal(bit_view(read_dequantized(cold, q)), bit_view(read_dequantized(mapped, q)))

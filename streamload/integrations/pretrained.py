@@ -177,9 +177,10 @@ def from_pretrained(
         group,
         bcast_device,
         empty,
-        load_kwargs.pop("read_mode", "auto"),
+        load_kwargs.get("read_mode", "auto"),  # kept: ranks that read their own shards open with it too
         load_kwargs.pop("threads", None),
         extra=lambda: _read_configs(Path(path)),
+        drop_cache=bool(load_kwargs.get("drop_cache", False)),
     )
     meta = opened.meta
     config = meta.extra["config"]

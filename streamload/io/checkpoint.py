@@ -8,6 +8,7 @@ import os
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -18,7 +19,7 @@ from ..errors import (
     TensorNotFoundError,
     UnsafePathError,
 )
-from . import _native
+from . import _native, cold
 from .copy_ops import ITEMSIZE, ST_DTYPES, TORCH_DTYPES, OpBatch, can_convert, contiguous_strides
 
 INDEX_NAME = "model.safetensors.index.json"
@@ -136,20 +137,42 @@ class Checkpoint:
     Args:
         path: a single ``.safetensors`` file, or a directory holding
             ``model.safetensors.index.json`` or several ``.safetensors`` files.
-        mode: ``"auto"`` (mmap, pread where mmap fails), ``"mmap"`` or ``"pread"``.
+        mode: ``"mmap"``, ``"pread"``, ``"cold"`` (explicit large aligned reads,
+            several in flight, O_DIRECT where the file system allows it: for files
+            not in the page cache) or ``"auto"``: cold when less than half of the
+            files' pages are cached (``mincore``), else mapped (pread where mmap fails).
         threads: copy threads (default: the CPUs available).
+        drop_cache: cold reads drop what they read from the page cache behind them.
+
+    Attributes:
+        read_mode: the mode in use: ``"mmap"``, ``"pread"`` or ``"cold"``.
 
     Example:
         >>> ckpt = Checkpoint("ckpt_dir")
         >>> w = ckpt.read("model.embed_tokens.weight", dtype=torch.float32)
     """
 
-    def __init__(self, path: str | os.PathLike, mode: str = "auto", threads: int | None = None) -> None:
+    def __init__(
+        self,
+        path: str | os.PathLike,
+        mode: str = "auto",
+        threads: int | None = None,
+        drop_cache: bool = False,
+    ) -> None:
         self.path = Path(path)
         self.mode = mode
         paths, weight_map = resolve_files(self.path)
-        self.files = [_native.SafetensorsFile(str(p), mode) for p in paths]
-        self.engine = _native.CopyEngine(threads or 0)
+        chosen = cold.choose_read_mode(mode, paths)
+        # Cold reads go around the mapping, but shards that are views of the files need it
+        # (their pages are prefetched at the disk's speed); drop_cache leaves no pages to view.
+        native_mode = ("pread" if drop_cache else "auto") if chosen == "cold" else chosen
+        self.files = [_native.SafetensorsFile(str(p), native_mode) for p in paths]
+        self.engine: Any = _native.CopyEngine(threads or 0)
+        if chosen == "cold":
+            self.engine = cold.ColdEngine(self.engine, self.files, drop_cache=drop_cache)
+        self.read_mode = (
+            chosen if chosen != "auto" else ("mmap" if all(f.mapped for f in self.files) else "pread")
+        )
         self.metadata: dict[str, dict[str, str]] = {}
         self._table: dict[str, TensorInfo] = {}
         resolved: dict[str, Path] = {}  # index file name -> real path, resolved once

@@ -189,6 +189,9 @@ class OpBatch:
             self._rows.clear()
         if self._dequant:
             arr = np.ascontiguousarray(np.array(self._dequant, dtype=np.int64))
-            nbytes += _native.dequantize(engine, list(files), arr.ctypes.data, arr.nbytes)
+            # Dequantizing ops read through the files themselves (mapped or pread): a cold
+            # engine wraps the native one, which they need.
+            native = getattr(engine, "engine", engine)
+            nbytes += _native.dequantize(native, list(files), arr.ctypes.data, arr.nbytes)
             self._dequant.clear()
         return int(nbytes)

@@ -97,10 +97,13 @@ class StateDictSource:
 Source = Checkpoint | StateDictSource
 
 
-def as_source(obj: object, read_mode: str = "auto", threads: int | None = None) -> Source:
-    """A path, Checkpoint or dict of tensors as a packing source."""
+def as_source(
+    obj: object, read_mode: str = "auto", threads: int | None = None, drop_cache: bool = False
+) -> Source:
+    """A path, Checkpoint or dict of tensors as a packing source (``read_mode`` and
+    ``drop_cache``: see ``Checkpoint``)."""
     if isinstance(obj, (Checkpoint, StateDictSource)):
         return obj
     if isinstance(obj, Mapping):
         return StateDictSource(obj, threads)
-    return Checkpoint(obj, mode=read_mode, threads=threads)  # type: ignore[arg-type]
+    return Checkpoint(obj, mode=read_mode, threads=threads, drop_cache=drop_cache)  # type: ignore[arg-type]

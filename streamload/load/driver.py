@@ -33,6 +33,7 @@ def load_checkpoint(
     device_mesh: Any = None,
     threads: int | None = None,
     read_mode: str = "auto",
+    drop_cache: bool = False,
     readers: str | ReaderMode = "auto",
     map_files: bool | str = "auto",
     quantized: str = "dequantize",
@@ -57,7 +58,12 @@ def load_checkpoint(
         process_group: group to load over (default: the default group).
         device_mesh: the mesh the model is sharded on (for the device type).
         threads: native copy threads on the reader.
-        read_mode: "auto", "mmap" or "pread".
+        read_mode: how the reader reads the files: "mmap", "pread", "cold" (large aligned reads,
+            several in flight, O_DIRECT where the file system allows it, for files not in the page
+            cache) or "auto" (the default: cold when less than half of the files is in the page
+            cache, measured with mincore, else mmap). The choice is in ``LoadReport.read_mode``.
+        drop_cache: leave the checkpoint out of the page cache (for hosts whose memory training
+            needs): cold reads drop each window behind them; other modes evict the files at the end.
         readers: who reads (a ReaderMode or its name): "src" (``src_rank`` reads and scatters), "owners"
             (every rank reads its own shards, no transport), "node" (one reader per node scatters within
             its node), or "auto" (the default: owners when every rank opens the very same files - same

@@ -10,11 +10,21 @@ import torch.distributed as dist
 
 from ..dist.readers import ReaderMode
 from ..dist.strategies import StreamResult
+from ..io.cold import evict
 from ..model.state import rebind_ties
 from ..report import LoadReport
 from .prepare import Prepared
 
 log = logging.getLogger("streamload")
+
+
+def _drop_cache(prep: Prepared) -> str:
+    """Evicts the files this rank read when asked to (cold reads dropped them
+    behind already); returns how it read them ("" where it read none)."""
+    mode = str(getattr(prep.source, "read_mode", ""))
+    if prep.options.drop_cache and mode and mode != "cold":
+        evict([f.path for f in getattr(prep.source, "files", [])])
+    return mode
 
 
 def finalize(prep: Prepared, result: StreamResult) -> LoadReport:
@@ -74,5 +84,6 @@ def finalize(prep: Prepared, result: StreamResult) -> LoadReport:
         converted=match.converted,
         unrestored_buffers=prep.unrestored,
         reader=f"{prep.choice.mode.value}: {prep.choice.reason}",
+        read_mode=_drop_cache(prep),
         phases=prep.clock.phases,
     )

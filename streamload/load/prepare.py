@@ -103,6 +103,7 @@ class LoadOptions:
     device_mesh: Any = None
     threads: int | None = None
     read_mode: str = "auto"
+    drop_cache: bool = False
     readers: str | ReaderMode = ReaderMode.AUTO
     map_files: bool | str = "auto"
     quantized: str = "dequantize"
@@ -226,7 +227,17 @@ def prepare(
     state = record_state(model)
     src_rank = options.src_rank
     if opened is None:
-        opened = open_source(path, rank, src_rank, group, device, state, options.read_mode, options.threads)
+        opened = open_source(
+            path,
+            rank,
+            src_rank,
+            group,
+            device,
+            state,
+            options.read_mode,
+            options.threads,
+            drop_cache=options.drop_cache,
+        )
     meta = opened.meta
     src_group_rank = dist.get_group_rank(group, src_rank) if group is not None else 0
     group_rank = dist.get_group_rank(group, rank) if group is not None else 0
@@ -340,6 +351,9 @@ def _plan_and_map(
                 model,
                 mapping_policy(options.map_files, local.tensors),
             )
+            if mapped.ranges and ckpt.read_mode == "cold":
+                # Views of cold files would fault page by page at first touch: read them in now.
+                ckpt.engine.prefetch(mapped.ranges)
     fallbacks = FallbackSources(local.conversion, ckpt, model, local.quant) if ckpt is not None else None
     shards = Shards(locals_, fallbacks, options.slots, options.progress, mapped.targets, local.quant)
     return Prepared(
@@ -454,5 +468,5 @@ def _check_and_materialize(
             # Ranks of a node read at once: share its cores rather than oversubscribe them.
             on_node = next(len(ranks) for ranks in choice.nodes if group_rank in ranks)
             threads = max(1, worker_threads() // on_node)
-        local.source = as_source(path, options.read_mode, threads)
+        local.source = as_source(path, options.read_mode, threads, options.drop_cache)
         check_same_table(local.source, meta.table)

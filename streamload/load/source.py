@@ -131,6 +131,7 @@ def open_source(
     read_mode: str = "auto",
     threads: int | None = None,
     extra: Any = None,
+    drop_cache: bool = False,
 ) -> OpenedSource:
     """Collective: the reader opens the checkpoint and broadcasts its table (or its error).
 
@@ -150,7 +151,7 @@ def open_source(
         try:
             if path is None:
                 raise StreamloadError("the reader rank was given no checkpoint", rank=rank)
-            ckpt = as_source(path, read_mode, threads)
+            ckpt = as_source(path, read_mode, threads, drop_cache)
             table = {t.name: (t.dtype, t.shape, t.file) for t in ckpt.tensors}
             payload = SourceMeta(
                 table,

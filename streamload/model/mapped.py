@@ -18,7 +18,7 @@ from __future__ import annotations
 import math
 import mmap
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -36,6 +36,7 @@ class MappedShards:
 
     targets: frozenset[int] = frozenset()
     nbytes: int = 0
+    ranges: list[tuple[int, int, int]] = field(default_factory=list)  # (file index, offset, bytes)
 
 
 def is_contiguous_box(start: Sequence[int], extent: Sequence[int], full: Sequence[int]) -> bool:
@@ -215,5 +216,6 @@ def map_shards(
         locals_[i] = view
         done.add(i)
         out.nbytes += local.numel() * local.element_size()
+        out.ranges.append((where[0], where[1], local.numel() * local.element_size()))
     out.targets = frozenset(done)
     return out

@@ -70,7 +70,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("inspect", help="summarise a checkpoint's tensor table")
     p.add_argument("checkpoint", help="a .safetensors file or a checkpoint directory")
-    p.add_argument("--mode", default="auto", choices=["auto", "mmap", "pread"])
+    p.add_argument("--mode", default="auto", choices=["auto", "mmap", "pread", "cold"])
     p.add_argument("--tensors", action="store_true", help="also list every tensor")
     p.set_defaults(func=_cmd_inspect)
 

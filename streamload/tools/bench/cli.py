@@ -6,7 +6,9 @@ import argparse
 import json
 import os
 from pathlib import Path
+from typing import Any
 
+from .cold import cold_table, disk_bandwidth, median_rows
 from .runner import run_strategy
 from .strategies import STRATEGIES
 from .table import markdown_table, median_of, write_jsonl
@@ -21,6 +23,16 @@ DEFAULT_STRATEGIES = [
     "dcp_hf",
     "hf_native",
 ]
+# --cold: the ways the issue sets streamload against, from a cold page cache.
+COLD_STRATEGIES = [
+    "streamload",
+    "streamload_owners",
+    "streamload_auto",
+    "rank0_broadcast",
+    "dcp_hf",
+    "hf_native",
+    "fastsafetensors",
+]
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -33,7 +45,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gb", type=float, default=0.1, help="size of a generated checkpoint")
     p.add_argument("--experts", type=int, default=64, help="experts per layer of a generated MoE checkpoint")
     p.add_argument("--ranks", type=int, nargs="+", default=[2, 4])
-    p.add_argument("--strategies", nargs="+", default=DEFAULT_STRATEGIES, choices=sorted(STRATEGIES))
+    p.add_argument("--strategies", nargs="+", default=None, choices=sorted(STRATEGIES))
+    p.add_argument(
+        "--cold",
+        action="store_true",
+        help="evict the checkpoint from the page cache before each strategy (checked with mincore) and "
+        "measure the disk's sequential read bandwidth in the same run",
+    )
+    p.add_argument("--read-mode", default=None, help="streamload's read_mode (default: auto)")
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--bucket-mib", type=int, default=None)
     p.add_argument("--no-verify", action="store_true", help="skip the correctness pass")
@@ -58,25 +77,45 @@ def run(args: argparse.Namespace) -> int:
             )
         ckpt = str(path)
     os.makedirs(args.out, exist_ok=True)
-    opts = {"bucket_bytes": args.bucket_mib << 20} if args.bucket_mib else {}
-    rows = []
+    opts: dict[str, Any] = {"bucket_bytes": args.bucket_mib << 20} if args.bucket_mib else {}
+    if args.read_mode:
+        opts["read_mode"] = args.read_mode
+    strategies = args.strategies or (COLD_STRATEGIES if args.cold else DEFAULT_STRATEGIES)
+    rows: list[dict[str, Any]] = []  # one per strategy and rank count (medians)
+    raw: list[dict[str, Any]] = []  # every run
     for world in args.ranks:
-        for strategy in args.strategies:
-            for k in range(args.repeat):
-                r = run_strategy(strategy, ckpt, world, dtype=args.dtype, verify=not args.no_verify, **opts)
-                rows.append({**r.to_dict(), "label": label, "repeat": k})
+        runs: dict[str, list[dict[str, Any]]] = {s: [] for s in strategies}
+        for rep in range(max(1, args.repeat)):
+            # Strategies take turns within each repeat: a disk or a host that drifts hits them alike.
+            for strategy in strategies:
+                extra: dict[str, Any] = {}
+                if args.cold:
+                    bw = disk_bandwidth(ckpt)
+                    extra = {"disk_gbps": bw.gbps, "disk_direct": bw.direct, "file_bytes": bw.bytes}
+                    print(
+                        f"disk: {bw.bytes / 1e9:.2f} GB in {bw.seconds:.2f} s = {bw.gbps:.2f} GB/s "
+                        f"({'O_DIRECT' if bw.direct else 'buffered'})",
+                        flush=True,
+                    )
+                verify = not args.no_verify and rep == 0
+                r = run_strategy(
+                    strategy, ckpt, world, dtype=args.dtype, verify=verify, cold=args.cold, **opts
+                )
+                runs[strategy].append({**r.to_dict(), "label": label, "repeat": rep, **extra})
                 status = "ok" if r.ok else f"FAILED ({r.error})"
                 print(
-                    f"{label} ranks={world} {strategy} #{k}: {r.seconds:.2f}s, "
-                    f"first step {r.first_step_seconds:.2f}s, overhead {r.overhead_bytes / 2**20:.0f} MiB, "
+                    f"{label} ranks={world} {strategy}{' cold' if args.cold else ''} #{rep + 1}: {r.seconds:.2f}s"
+                    f" (+{r.touch_seconds:.2f}s first touch), first step {r.first_step_seconds:.2f}s, "
+                    f"overhead {r.overhead_bytes / 2**20:.0f} MiB, "
                     f"correct={r.correct}, tie held={r.tie_held}: {status}",
                     flush=True,
                 )
-    write_jsonl(Path(args.out) / "results.jsonl", rows)
-    groups: dict[tuple[int, str], list[dict]] = {}
-    for row in rows:
-        groups.setdefault((row["world"], row["strategy"]), []).append(row)
-    table = markdown_table([median_of(g) for g in groups.values()], ["label"])
+        raw.extend(row for s in strategies for row in runs[s])
+        summary = median_rows if args.cold else median_of
+        rows.extend(summary(runs[s]) for s in strategies)
+    write_jsonl(Path(args.out) / "results.jsonl", rows)  # one row per strategy and rank count
+    write_jsonl(Path(args.out) / "runs.jsonl", raw)  # every run
+    table = cold_table(rows, ["label"]) if args.cold else markdown_table(rows, ["label"])
     (Path(args.out) / "table.md").write_text(table + "\n")
     with open(Path(args.out) / "timelines.json", "w") as f:
         json.dump(

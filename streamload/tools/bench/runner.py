@@ -108,6 +108,8 @@ class RunResult:
     mismatched: list[str] = field(default_factory=list)
     tie_held: bool | None = None
     timeline: list[tuple[float, int]] = field(default_factory=list)
+    cold: bool = False  # the checkpoint was evicted from the page cache before the load
+    resident_before: float = 0.0  # fraction of its weight pages still cached then (mincore)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -335,9 +337,11 @@ class BenchGroup:
         dtype: str = "bfloat16",
         verify: bool = True,
         timeout: float = 900.0,
+        cold: bool = False,
         **opts: Any,
     ) -> RunResult:
-        """Loads ``ckpt`` with ``strategy`` on every rank and measures it."""
+        """Loads ``ckpt`` with ``strategy`` on every rank and measures it; ``cold``: from a
+        cold page cache (the checkpoint evicted first, checked with mincore), else a warm one."""
         res = RunResult(strategy, self.world, ckpt, ok=False)
         deadline = time.time() + timeout
         self._inbox = {}
@@ -346,7 +350,12 @@ class BenchGroup:
         sampler: MemorySampler | None = None
         try:
             self._expect("ready", deadline)
-            warm_page_cache(ckpt)
+            if cold:
+                from .cold import make_cold
+
+                res.cold, res.resident_before = True, make_cold(ckpt)
+            else:
+                warm_page_cache(ckpt)
             time.sleep(0.3)  # let import-time allocations settle before the baseline
             sampler = MemorySampler([p.pid for p in self.procs if p.pid is not None])
             for q in self.commands:

@@ -18,6 +18,9 @@ from torch import nn
 
 from ...integrations.pretrained import default_shard_fn, meta_model
 
+# Options the bench passes through to streamload.
+_STREAMLOAD_OPTS = ("bucket_bytes", "read_mode", "drop_cache")
+
 
 def quiet_from_pretrained(ckpt: str, dtype: torch.dtype, **kw: Any) -> nn.Module:
     """transformers' ``from_pretrained`` with its logging, progress bars and warnings silenced."""
@@ -34,7 +37,7 @@ def quiet_from_pretrained(ckpt: str, dtype: torch.dtype, **kw: Any) -> nn.Module
 def load_streamload(ckpt: str, mesh: Any, dtype: torch.dtype, opts: dict[str, Any]) -> nn.Module:
     import streamload
 
-    kw = {k: opts[k] for k in ("bucket_bytes",) if k in opts}
+    kw = {k: opts[k] for k in _STREAMLOAD_OPTS if k in opts}
     path = ckpt if dist.get_rank() == 0 else "/nonexistent"  # only the reader needs the files
     return streamload.from_pretrained(path, device_mesh=mesh, dtype=dtype, progress=False, **kw)
 
@@ -43,7 +46,7 @@ def load_streamload_owners(ckpt: str, mesh: Any, dtype: torch.dtype, opts: dict[
     """Every rank reads its own shards (readers="owners"): no transport."""
     import streamload
 
-    kw = {k: opts[k] for k in ("bucket_bytes", "map_files") if k in opts}
+    kw = {k: opts[k] for k in (*_STREAMLOAD_OPTS, "map_files") if k in opts}
     return streamload.from_pretrained(
         ckpt, device_mesh=mesh, dtype=dtype, progress=False, readers="owners", **kw
     )
@@ -62,7 +65,7 @@ def load_streamload_auto(ckpt: str, mesh: Any, dtype: torch.dtype, opts: dict[st
     """Every rank is given the path; streamload picks the reader mode."""
     import streamload
 
-    kw = {k: opts[k] for k in ("bucket_bytes",) if k in opts}
+    kw = {k: opts[k] for k in _STREAMLOAD_OPTS if k in opts}
     return streamload.from_pretrained(
         ckpt, device_mesh=mesh, dtype=dtype, progress=False, readers="auto", **kw
     )
@@ -146,6 +149,71 @@ def load_dcp_hf(ckpt: str, mesh: Any, dtype: torch.dtype, opts: dict[str, Any]) 
     return model
 
 
+def load_fastsafetensors(ckpt: str, mesh: Any, dtype: torch.dtype, opts: dict[str, Any]) -> nn.Module:
+    """fastsafetensors' own distributed loader on CPU (``SafeTensorsFileLoader``,
+    no GDS): each rank reads a share of the files, then ``get_sharded`` scatters
+    each Shard(0) parameter and ``get_tensor`` broadcasts the rest. Per-expert
+    MoE tensors are stacked into the fused experts here (fastsafetensors has no
+    conversion mapping)."""
+    from pathlib import Path
+
+    from fastsafetensors import SafeTensorsFileLoader
+    from torch.distributed.tensor import DTensor, Shard
+
+    model = meta_model(ckpt, dtype)
+    buffers = {n: b.detach().clone() for n, b in model.named_buffers()}
+    default_shard_fn(model, mesh)
+    model.to_empty(device=mesh.device_type)
+    with torch.no_grad():
+        for n, b in model.named_buffers():
+            b.copy_(buffers[n])
+    files = sorted(str(p) for p in Path(ckpt).glob("*.safetensors"))
+    world = dist.get_world_size()
+    loader = SafeTensorsFileLoader(dist.group.WORLD, "cpu", nogds=True)
+    loader.add_filenames({r: files[r::world] for r in range(world) if files[r::world]})
+    fb = loader.copy_files_to_device()
+    keys = set(fb.key_to_rank_lidx)
+    tied = getattr(model.config, "tie_word_embeddings", False)
+
+    def experts(prefix: str, names: tuple[str, ...]) -> torch.Tensor:
+        out = []
+        e = 0
+        while f"{prefix}.{e}.{names[0]}.weight" in keys:
+            out.append(torch.cat([fb.get_tensor(f"{prefix}.{e}.{n}.weight") for n in names], dim=0))
+            e += 1
+        if not out:
+            raise KeyError(f"{prefix}: not in the checkpoint")
+        return torch.stack(out)
+
+    with torch.no_grad():
+        for name, p in model.state_dict().items():
+            if tied and name.endswith("lm_head.weight"):
+                continue
+            local = p.to_local() if isinstance(p, DTensor) else p
+            if name in keys:
+                # gloo's scatter needs equal chunks: uneven dims are broadcast and sliced.
+                sharded = isinstance(p, DTensor) and p.placements[0] == Shard(0) and p.shape[0] % world == 0
+                t = fb.get_sharded(name, 0) if sharded else fb.get_tensor(name)
+            elif name.endswith("experts.gate_up_proj"):
+                t = experts(name.rsplit(".", 1)[0], ("gate_proj", "up_proj"))
+            elif name.endswith("experts.down_proj"):
+                t = experts(name.rsplit(".", 1)[0], ("down_proj",))
+            else:
+                continue  # non-persistent buffers were restored above
+            if t.shape != local.shape and isinstance(p, DTensor):
+                # Fused experts arrive whole: keep this rank's chunk.
+                from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+                shape, offset = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
+                t = t[tuple(slice(o, o + s) for o, s in zip(offset, shape, strict=True))]
+            local.copy_(t.to(local.dtype))
+    fb.close()
+    loader.close()
+    if hasattr(model, "tie_weights"):
+        typing.cast(typing.Any, model).tie_weights()
+    return model
+
+
 STRATEGIES: dict[str, Callable[[str, Any, torch.dtype, dict[str, Any]], nn.Module]] = {
     "streamload": load_streamload,
     "streamload_owners": load_streamload_owners,
@@ -157,4 +225,5 @@ STRATEGIES: dict[str, Callable[[str, Any, torch.dtype, dict[str, Any]], nn.Modul
     "accelerate_efficient": load_accelerate_efficient,
     "dcp_hf": load_dcp_hf,
     "hf_native": load_hf_native,
+    "fastsafetensors": load_fastsafetensors,
 }

@@ -1,0 +1,324 @@
+"""Cold reads: a checkpoint that is not in the page cache, read at the disk's speed.
+
+Reading a cold file through a memory map faults one page (or one readahead
+window) at a time. ``ColdEngine`` stands in for the native ``CopyEngine``:
+before a batch of copy ops runs, the byte spans its ops read from the files
+are read with large aligned preads (several in flight, ``O_DIRECT`` where the
+file system allows it, buffered where it refuses) into one read buffer, laid
+out so that every read lands in place, and the ops are rewritten to copy from
+that buffer. Packing, fusion and casts are the engine's, unchanged.
+
+Also here: page-cache residency (``mincore``), eviction (``POSIX_FADV_DONTNEED``)
+and the disk's sequential read bandwidth, which ``read_mode="auto"`` and
+``streamload bench --cold`` use.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from . import _native
+from .copy_ops import ITEMSIZE
+
+READ_MODES = ("auto", "mmap", "pread", "cold")
+# "auto" reads explicitly when less than this fraction of the files' pages is cached.
+COLD_BELOW = 0.5
+ALIGN = _native.DIRECT_ALIGN
+_F = _native.OP_FIELDS
+_D = _native.MAX_DIMS
+# Columns of an op row (csrc/copy_engine.h, CopyOp).
+_FILE, _SRC, _SRC_NBYTES, _SRC_DTYPE, _NDIM, _SRC_OFFSET, _DST_OFFSET = 0, 1, 2, 3, 7, 8, 9
+_SHAPE, _SRC_STRIDE, _DST_STRIDE = 10, 10 + _D, 10 + 2 * _D
+
+
+def residency(paths: Sequence[str | os.PathLike[str]]) -> float:
+    """Fraction of the files' pages in the page cache (1.0 for no bytes).
+
+    Example:
+        >>> residency(ckpt.paths)  # 0.0 right after evict(ckpt.paths)
+    """
+    got = total = 0
+    for p in paths:
+        r, t = _native.residency(str(p))
+        got, total = got + r, total + t
+    return got / total if total else 1.0
+
+
+def evict(paths: Sequence[str | os.PathLike[str]]) -> None:
+    """Drops the files from the page cache (dirty pages are written back first)."""
+    for p in paths:
+        _native.evict(str(p))
+
+
+@dataclass
+class Bandwidth:
+    """The disk's sequential read bandwidth, measured by reading files once."""
+
+    bytes: int
+    seconds: float
+    direct: bool  # O_DIRECT (else buffered reads of evicted files)
+
+    @property
+    def gbps(self) -> float:
+        return self.bytes / self.seconds / 1e9 if self.seconds else 0.0
+
+
+def probe_bandwidth(
+    paths: Sequence[str | os.PathLike[str]], threads: int = 0, block_bytes: int = 16 << 20
+) -> Bandwidth:
+    """Reads every file once in large blocks, several in flight, into throwaway
+    buffers: ``O_DIRECT`` where possible, else buffered after evicting the files.
+
+    Example:
+        >>> probe_bandwidth(ckpt.paths).gbps
+    """
+    stats = _native.ColdReader(threads=threads, block_bytes=block_bytes).probe([str(p) for p in paths])
+    return Bandwidth(int(stats["bytes_read"]), float(stats["seconds"]), stats["direct_windows"] > 0)
+
+
+def choose_read_mode(mode: str, paths: Sequence[str | os.PathLike[str]]) -> str:
+    """The read mode to use: ``"auto"`` becomes ``"cold"`` when less than
+    ``COLD_BELOW`` of the files is in the page cache, else stays ``"auto"``
+    (mapped, pread where mapping fails)."""
+    if mode not in READ_MODES:
+        raise ValueError(f"read_mode must be one of {READ_MODES}, not {mode!r}")
+    if mode != "auto":
+        return mode
+    return "cold" if residency(paths) < COLD_BELOW else "auto"
+
+
+@dataclass
+class ColdStats:
+    """What the cold reads of one checkpoint did."""
+
+    bytes_read: int = 0
+    seconds: float = 0.0
+    reads: int = 0
+    direct_reads: int = 0
+    direct_refused: bool = False
+
+
+class ColdEngine:
+    """A ``CopyEngine`` whose file reads are explicit, large and aligned.
+
+    A batch's file ops are cut (along their outer dims) into chunks of at most
+    ``chunk_bytes`` of source spans; two read buffers alternate, so the disk
+    reads chunk k+1 (on a helper thread, GIL released) while the engine copies
+    chunk k out of memory. Memory: two buffers of about ``chunk_bytes``, plus
+    the reader's bounce buffers for reads it cannot land in place.
+
+    Args:
+        engine: the native CopyEngine that runs the rewritten ops.
+        files: the checkpoint's opened files (``SafetensorsFile``), in file-index order.
+        threads: reads in flight (0: the native default).
+        block_bytes: bytes per read.
+        chunk_bytes: source bytes per chunk (per read buffer).
+        drop_cache: drop each window from the page cache once read.
+    """
+
+    def __init__(
+        self,
+        engine: Any,
+        files: Sequence[Any],
+        threads: int = 0,
+        block_bytes: int = 4 << 20,
+        chunk_bytes: int = 32 << 20,
+        drop_cache: bool = False,
+    ) -> None:
+        self.engine = engine
+        self.paths = [f.path for f in files]
+        self.sizes = np.array([f.file_size for f in files], dtype=np.int64)
+        self.data_starts = np.array([f.data_start for f in files], dtype=np.int64)
+        self.reader = _native.ColdReader(threads=threads, block_bytes=block_bytes, drop_behind=drop_cache)
+        self.chunk_bytes = chunk_bytes
+        self.stats = ColdStats()
+        self._buffers: list[torch.Tensor | None] = [None, None]
+        self._pool: ThreadPoolExecutor | None = None
+        self._itemsize = np.zeros(max(_native.DTYPE_CODES.values()) + 1, dtype=np.int64)
+        for name, code in _native.DTYPE_CODES.items():
+            # Sub-byte dtypes (F4, F6_*) have no whole item size: their ops stay on the files (0 here).
+            self._itemsize[code] = ITEMSIZE.get(name, 0)
+
+    @property
+    def threads(self) -> int:
+        return int(self.engine.threads)
+
+    def close(self) -> None:
+        """Frees the read buffers and the helper thread."""
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
+        self._buffers = [None, None]
+
+    def _buffer(self, which: int, nbytes: int) -> int:
+        """The aligned address of read buffer ``which``, grown to ``nbytes``."""
+        buf = self._buffers[which]
+        if buf is None or buf.numel() < nbytes + ALIGN:
+            self._buffers[which] = None
+            buf = self._buffers[which] = torch.empty(nbytes + ALIGN, dtype=torch.uint8)
+        base = buf.data_ptr()
+        return base + (-base) % ALIGN
+
+    def _extents(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Per op: first and last source element, and the source item size."""
+        span = (rows[:, _SHAPE : _SHAPE + _D] - 1) * rows[:, _SRC_STRIDE : _SRC_STRIDE + _D]
+        lo = rows[:, _SRC_OFFSET] + np.minimum(span, 0).sum(axis=1)
+        hi = rows[:, _SRC_OFFSET] + np.maximum(span, 0).sum(axis=1)
+        return lo, hi, self._itemsize[rows[:, _SRC_DTYPE]]
+
+    def _pieces(self, row: np.ndarray) -> list[np.ndarray]:
+        """``row`` cut along its outer dims until each piece's source span fits a chunk."""
+        lo, hi, isz = (int(x[0]) for x in self._extents(row[None]))
+        if (hi - lo + 1) * isz <= self.chunk_bytes:
+            return [row]
+        ndim = int(row[_NDIM])
+        dims = [d for d in range(ndim) if row[_SHAPE + d] > 1 and row[_SRC_STRIDE + d] != 0]
+        if not dims:
+            return [row]
+        d = dims[0]
+        n, ss, ds = int(row[_SHAPE + d]), int(row[_SRC_STRIDE + d]), int(row[_DST_STRIDE + d])
+        step = max(1, self.chunk_bytes // (abs(ss) * isz))
+        out: list[np.ndarray] = []
+        for k in range(0, n, step):
+            piece = row.copy()
+            piece[_SHAPE + d] = min(step, n - k)
+            piece[_SRC_OFFSET] += k * ss
+            piece[_DST_OFFSET] += k * ds
+            out.extend(self._pieces(piece))
+        return out
+
+    def _read_chunk(self, rows: np.ndarray, which: int) -> np.ndarray:
+        """Reads the spans of ``rows`` (file ops, in bounds) into buffer ``which``;
+        returns the ops rewritten to copy from it."""
+        lo, hi, isz = self._extents(rows)
+        fidx = rows[:, _FILE]
+        a = self.data_starts[fidx] + rows[:, _SRC] + lo * isz  # absolute file offsets
+        b = self.data_starts[fidx] + rows[:, _SRC] + (hi + 1) * isz
+        # Aligned spans per file, merged, laid out aligned: every read lands in place.
+        plan: list[tuple[int, np.ndarray, np.ndarray]] = []
+        total = 0
+        for f in np.unique(fidx):
+            m = fidx == f
+            sa = (a[m] // ALIGN) * ALIGN
+            sb = np.minimum(-(-b[m] // ALIGN) * ALIGN, self.sizes[f])
+            order = np.argsort(sa, kind="stable")
+            starts: list[int] = []
+            ends: list[int] = []
+            for s, e in zip(sa[order].tolist(), sb[order].tolist(), strict=True):
+                if starts and s <= ends[-1]:
+                    ends[-1] = max(ends[-1], e)
+                else:
+                    starts.append(s)
+                    ends.append(e)
+            st, en = np.array(starts, dtype=np.int64), np.array(ends, dtype=np.int64)
+            room = -(-(en - st) // ALIGN) * ALIGN
+            pos = total + np.concatenate([[0], np.cumsum(room)[:-1]])
+            total += int(room.sum())
+            plan.append((int(f), st, np.stack([en - st, pos, room], axis=1)))
+        base = self._buffer(which, total)
+        where = np.empty(len(rows), dtype=np.int64)
+        for f, st, info in plan:
+            m = np.nonzero(fidx == f)[0]
+            k = np.searchsorted(st, a[m], side="right") - 1
+            where[m] = base + info[k, 1] + (a[m] - st[k])
+            ranges = np.ascontiguousarray(np.stack([st, info[:, 0], base + info[:, 1], info[:, 2]], axis=1))
+            s = self.reader.read(self.paths[f], ranges.ctypes.data, ranges.nbytes)
+            self.stats.bytes_read += int(s["bytes_read"])
+            self.stats.seconds += float(s["seconds"])
+            self.stats.reads += int(s["windows"])
+            self.stats.direct_reads += int(s["direct_windows"])
+            self.stats.direct_refused |= bool(s["direct_refused"])
+        out = rows.copy()
+        out[:, _FILE] = -1
+        out[:, _SRC] = where
+        out[:, _SRC_NBYTES] = (hi - lo + 1) * isz
+        out[:, _SRC_OFFSET] -= lo
+        return np.ascontiguousarray(out)
+
+    def prefetch(self, ranges: Sequence[tuple[int, int, int]]) -> None:
+        """Reads (file index, absolute offset, bytes) ranges into the page cache at
+        the disk's speed (large buffered reads, several in flight): for shards that
+        are views of the mapped files, which then fault nothing in from disk."""
+        by_file: dict[int, list[tuple[int, int]]] = {}
+        for index, offset, nbytes in ranges:
+            by_file.setdefault(index, []).append((offset, nbytes))
+        for index, spans in sorted(by_file.items()):
+            arr = np.ascontiguousarray(np.array(sorted(spans), dtype=np.int64).reshape(-1, 2))
+            s = self.reader.prefetch(self.paths[index], arr.ctypes.data, arr.nbytes)
+            self.stats.bytes_read += int(s["bytes_read"])
+            self.stats.seconds += float(s["seconds"])
+            self.stats.reads += int(s["windows"])
+
+    def _run(self, files: Sequence[Any], rows: np.ndarray) -> int:
+        if len(rows) == 0:
+            return 0
+        rows = np.ascontiguousarray(rows)
+        return int(self.engine.execute(list(files), rows.ctypes.data, rows.nbytes))
+
+    def execute(self, files: Sequence[Any], ops: int, ops_nbytes: int) -> int:
+        """Reads the spans the ops need, chunk by chunk, and runs the ops from
+        memory; returns the source bytes read (as ``CopyEngine.execute``)."""
+        n = ops_nbytes // (8 * _F)
+        if n == 0 or ops_nbytes % (8 * _F):
+            return int(self.engine.execute(list(files), ops, ops_nbytes))
+        rows = np.ctypeslib.as_array((ctypes.c_int64 * (n * _F)).from_address(ops)).reshape(n, _F).copy()
+        fidx = rows[:, _FILE]
+        cold = (fidx >= 0) & (fidx < len(self.paths)) & (rows[:, _SHAPE : _SHAPE + _D].prod(axis=1) > 0)
+        cold &= (rows[:, _SRC_DTYPE] >= 0) & (rows[:, _SRC_DTYPE] < len(self._itemsize))
+        cold &= self._itemsize[np.clip(rows[:, _SRC_DTYPE], 0, len(self._itemsize) - 1)] > 0
+        cold &= (
+            (rows[:, _NDIM] >= 0) & (rows[:, _NDIM] <= _D) & (rows[:, _SHAPE : _SHAPE + _D] >= 0).all(axis=1)
+        )
+        lo, hi, isz = self._extents(rows)
+        f = np.clip(fidx, 0, max(len(self.paths) - 1, 0))
+        end = self.data_starts[f] + rows[:, _SRC] + (hi + 1) * isz
+        # Ops out of bounds (the engine's to report) and ops from memory run first, as they are:
+        # a bad batch then fails before any chunk is written.
+        cold &= (
+            (lo >= 0)
+            & ((hi + 1) * isz <= rows[:, _SRC_NBYTES])
+            & (rows[:, _SRC] >= 0)
+            & (end <= self.sizes[f])
+        )
+        done = self._run(files, rows[~cold])
+        if not cold.any():
+            return done
+        pieces = [p for r in rows[cold] for p in self._pieces(r)]
+        cut = np.stack(pieces)
+        plo, phi, pisz = self._extents(cut)
+        start = self.data_starts[cut[:, _FILE]] + cut[:, _SRC] + plo * pisz
+        order = np.lexsort((start, cut[:, _FILE]))  # file order: the disk reads front to back
+        chunks: list[np.ndarray] = []
+        acc, first = 0, 0
+        nbytes = (phi - plo + 1) * pisz
+        for i, k in enumerate(order.tolist()):
+            if i > first and acc + nbytes[k] > self.chunk_bytes:
+                chunks.append(order[first:i])
+                first, acc = i, 0
+            acc += int(nbytes[k])
+        chunks.append(order[first:])
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(1, thread_name_prefix="streamload-cold")
+        pending = {0: self._pool.submit(self._read_chunk, cut[chunks[0]], 0)}
+        try:
+            for k in range(len(chunks)):
+                ready = pending.pop(k).result()
+                if k + 1 < len(chunks):  # read k+1 into the other buffer while k is copied
+                    pending[k + 1] = self._pool.submit(self._read_chunk, cut[chunks[k + 1]], (k + 1) % 2)
+                done += self._run(files, ready)
+        finally:
+            for fut in pending.values():  # never leave a read writing into a buffer
+                fut.cancel()
+                try:
+                    fut.result()
+                except BaseException:  # noqa: BLE001, S110 - the first error is already on its way
+                    pass
+        return done

@@ -1,0 +1,70 @@
+"""Cases for the cold-read path, run inside the rank group (see rank_group.py)."""
+
+from __future__ import annotations
+
+import gc
+import os
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from cases_load import MISSING_PATH, compare_model, mesh_for, reference, tied
+
+import streamload
+from streamload.io import cold
+
+
+def case_cold_load(
+    rank: int,
+    world: int,
+    *,
+    ckpt: str,
+    ws: int,
+    read_mode: str,
+    readers: str = "src",
+    drop_cache: bool = False,
+    buffered: bool = False,
+    dtype: torch.dtype | None = None,
+) -> dict | None:
+    """Evicts the files, loads with ``read_mode``, measures what stayed in the
+    page cache, then compares every parameter with transformers."""
+    mesh = mesh_for(ws)
+    if mesh is None:
+        return None
+    group = mesh.get_group()
+    paths = sorted(str(p) for p in Path(ckpt).glob("*.safetensors"))
+    gc.collect()  # a previous case's model may still map the files: its pages could not be evicted
+    dist.barrier(group=group)
+    if rank == 0:
+        cold.evict(paths)
+    dist.barrier(group=group)
+    if buffered:  # as on a file system that refuses O_DIRECT: reads go through the page cache
+        os.environ["STREAMLOAD_DIRECT_IO"] = "0"
+    try:
+        sees = readers != "src" or rank == 0
+        model = streamload.from_pretrained(
+            ckpt if sees else MISSING_PATH,
+            device_mesh=mesh,
+            dtype=dtype,
+            bucket_bytes=4096,
+            progress=False,
+            readers=readers,
+            read_mode=read_mode,
+            drop_cache=drop_cache,
+        )
+    finally:
+        os.environ.pop("STREAMLOAD_DIRECT_IO", None)
+    dist.barrier(group=group)
+    resident = cold.residency(paths)  # before transformers maps the files
+    dist.barrier(group=group)
+    ref = reference(ckpt, dtype)
+    bad = compare_model(model, ref)
+    assert not bad, f"differ from transformers: {bad}"
+    assert tied(model) == tied(ref)
+    rep = model.streamload_report
+    return {
+        "resident": resident,
+        "read_mode": rep.read_mode,
+        "reader": rep.reader,
+        "mapped": rep.bytes_mapped,
+    }

@@ -1,0 +1,147 @@
+"""The cold path at the Python level: ``read_mode="cold"`` (explicit, large,
+aligned reads) is bit-exact with transformers at 2-3 gloo ranks, ``"auto"``
+picks it when the files are not in the page cache, and ``drop_cache`` leaves
+them out of it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import cases_cold
+import pytest
+import torch
+from rank_group import RankGroup
+from safetensors import safe_open
+
+from streamload import Checkpoint
+from streamload.io import cold
+from streamload.io.copy_ops import bit_view
+from streamload.tools.synthetic import make_checkpoint
+
+WORLD = 3
+
+
+@pytest.fixture(scope="module")
+def ckpts(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    root = tmp_path_factory.mktemp("cold")
+    common = dict(
+        layers=2,
+        vocab=61,
+        hidden_size=24,
+        intermediate_size=38,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    )
+    return {
+        "tied": str(
+            make_checkpoint(root / "tied", "qwen2", tie=True, seed=1, max_shard_size="8KB", **common)
+        ),
+        "one_file": str(make_checkpoint(root / "one", "qwen2", tie=False, seed=2, **common)),
+    }
+
+
+@pytest.fixture(scope="module")
+def group():
+    g = RankGroup(WORLD)
+    yield g
+    g.close()
+
+
+def _paths(ckpt: str) -> list[str]:
+    return sorted(str(p) for p in Path(ckpt).glob("*.safetensors"))
+
+
+def _check_all(c: Checkpoint, ckpt: str) -> None:
+    for path in _paths(ckpt):
+        with safe_open(path, "pt") as f:
+            for k in f.keys():  # noqa: SIM118 - safe_open has no __iter__
+                ref = f.get_tensor(k)
+                assert torch.equal(bit_view(c.read(k)), bit_view(ref)), k
+                if ref.dtype == torch.bfloat16:
+                    assert torch.equal(c.read(k, dtype=torch.float32), ref.float()), k
+                if ref.dim() == 2 and ref.shape[0] > 2:
+                    part = c.read_region(k, [(1, ref.shape[0] - 1), (0, ref.shape[1])])
+                    assert torch.equal(bit_view(part), bit_view(ref[1:-1])), k
+
+
+@pytest.mark.parametrize("name", ["tied", "one_file"])
+def test_checkpoint_cold_reads_bit_exact(ckpts: dict[str, str], name: str, monkeypatch) -> None:
+    _check_all(Checkpoint(ckpts[name], mode="cold"), ckpts[name])
+    monkeypatch.setenv("STREAMLOAD_TEST_DIRECT_EINVAL", "1")  # a file system refusing O_DIRECT
+    c = Checkpoint(ckpts[name], mode="cold")
+    _check_all(c, ckpts[name])
+    assert c.engine.stats.direct_refused and c.engine.stats.direct_reads == 0
+
+
+def test_auto_reads_explicitly_when_the_files_are_cold(ckpts: dict[str, str]) -> None:
+    paths = _paths(ckpts["one_file"])
+    cold.evict(paths)
+    assert cold.residency(paths) < 0.01
+    c = Checkpoint(ckpts["one_file"])
+    assert c.read_mode == "cold" and isinstance(c.engine, cold.ColdEngine)
+    # Mapped all the same (shards may be views, prefetched), unless nothing may stay cached.
+    assert all(f.mapped for f in c.files)
+    assert not any(f.mapped for f in Checkpoint(ckpts["one_file"], mode="cold", drop_cache=True).files)
+    for p in paths:
+        Path(p).read_bytes()
+    assert cold.residency(paths) > 0.99
+    c = Checkpoint(ckpts["one_file"])
+    assert c.read_mode == "mmap" and all(f.mapped for f in c.files)
+    with pytest.raises(ValueError, match="read_mode"):
+        Checkpoint(ckpts["one_file"], mode="sometimes")
+
+
+def test_drop_cache_leaves_the_files_out_of_the_page_cache(ckpts: dict[str, str], monkeypatch) -> None:
+    paths = _paths(ckpts["one_file"])
+    monkeypatch.setenv("STREAMLOAD_DIRECT_IO", "0")  # buffered reads would fill the cache
+    for drop in (False, True):
+        cold.evict(paths)
+        c = Checkpoint(ckpts["one_file"], mode="cold", drop_cache=drop)
+        out = {t.name: c.read(t.name) for t in c.tensors}
+        assert len(out) == len(c.tensors)
+        resident = cold.residency(paths)
+        assert (resident < 0.01) if drop else (resident > 0.5), (drop, resident)
+
+
+@pytest.mark.parametrize("ws", [2, 3])
+@pytest.mark.parametrize("readers", ["src", "owners"])
+def test_cold_load_matches_transformers(
+    group: RankGroup, ckpts: dict[str, str], ws: int, readers: str
+) -> None:
+    for name in ("tied", "one_file"):
+        for dtype in (None, torch.float32):
+            res = group.run(
+                cases_cold.case_cold_load,
+                ckpt=ckpts[name],
+                ws=ws,
+                read_mode="cold",
+                readers=readers,
+                dtype=dtype,
+            )
+            assert res[0]["read_mode"] == "cold"
+            if any(r["mapped"] for r in res if r):
+                # Shards that are views of cold files were prefetched into the page cache.
+                assert res[0]["resident"] > 0
+
+
+def test_auto_and_drop_cache_in_a_load(group: RankGroup, ckpts: dict[str, str]) -> None:
+    ckpt = ckpts["tied"]
+    res = group.run(cases_cold.case_cold_load, ckpt=ckpt, ws=2, read_mode="auto")
+    assert res[0]["read_mode"] == "cold"  # evicted: auto read explicitly
+    res = group.run(cases_cold.case_cold_load, ckpt=ckpt, ws=3, read_mode="cold", buffered=True)
+    assert res[0]["resident"] > 0.5
+    res = group.run(
+        cases_cold.case_cold_load, ckpt=ckpt, ws=3, read_mode="cold", buffered=True, drop_cache=True
+    )
+    assert res[0]["resident"] < 0.01
+
+
+@pytest.mark.parametrize("chunk", [64, 1000, 4096])
+def test_chunked_reads_bit_exact(ckpts: dict[str, str], chunk: int) -> None:
+    """Ops cut along their outer dims into many small chunks, read on the helper
+    thread while the previous chunk is copied: the same bytes."""
+    c = Checkpoint(ckpts["one_file"], mode="cold")
+    c.engine = cold.ColdEngine(c.engine.engine, c.files, block_bytes=4096, chunk_bytes=chunk)
+    _check_all(c, ckpts["one_file"])
+    assert c.engine.stats.reads > 10
+    c.engine.close()

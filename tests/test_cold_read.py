@@ -1,0 +1,304 @@
+"""The cold-read path of the native engine (explicit, large, aligned preads,
+O_DIRECT where the file system allows it) equals safetensors bit for bit;
+residency, eviction and the bandwidth probe do what they say."""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+try:
+    from streamload.io import _native as native
+except ImportError:
+    from streamload import _native as native  # type: ignore[no-redef]
+
+import streamload.errors as errors
+
+ext: Any = getattr(native, "_ext", native)
+ALIGN = int(ext.DIRECT_ALIGN)
+
+
+def _tensors(seed: int, sizes: list[int]) -> dict[str, torch.Tensor]:
+    """bf16/fp32/int8 tensors of odd sizes: offsets land anywhere."""
+    gen = torch.Generator().manual_seed(seed)
+    out: dict[str, torch.Tensor] = {}
+    dtypes = [torch.bfloat16, torch.float32, torch.int8, torch.float16]
+    for i, n in enumerate(sizes):
+        dt = dtypes[i % len(dtypes)]
+        t = (
+            torch.randn(n, generator=gen).to(dt)
+            if dt.is_floating_point
+            else torch.randint(-128, 127, (n,), generator=gen, dtype=torch.int8)
+        )
+        out[f"t{i:03d}"] = t
+    return out
+
+
+def _layout(path: Path) -> dict[str, tuple[int, int]]:
+    """name -> (absolute file offset, bytes), from the header."""
+    with open(path, "rb") as f:
+        (hlen,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(hlen))
+    header.pop("__metadata__", None)
+    start = 8 + hlen
+    return {
+        k: (start + v["data_offsets"][0], v["data_offsets"][1] - v["data_offsets"][0])
+        for k, v in header.items()
+    }
+
+
+def _write_aligned(path: Path, tensors: dict[str, torch.Tensor]) -> None:
+    """A valid safetensors file whose data section and tensors start on DIRECT_ALIGN."""
+    header: dict[str, Any] = {}
+    off = 0
+    names = {torch.bfloat16: "BF16", torch.float32: "F32", torch.int8: "I8", torch.float16: "F16"}
+    for k, t in tensors.items():
+        n = t.numel() * t.element_size()
+        assert n % ALIGN == 0
+        header[k] = {"dtype": names[t.dtype], "shape": list(t.shape), "data_offsets": [off, off + n]}
+        off += n
+    raw = json.dumps(header).encode()
+    raw += b" " * (ALIGN - 8 - len(raw))  # safetensors pads headers with spaces
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(raw)) + raw)
+        for t in tensors.values():
+            f.write(t.contiguous().view(torch.uint8).numpy().tobytes())
+
+
+def _aligned_empty(nbytes: int) -> torch.Tensor:
+    """A uint8 buffer whose first byte is DIRECT_ALIGN-aligned."""
+    raw = torch.empty(nbytes + ALIGN, dtype=torch.uint8)
+    skip = (-raw.data_ptr()) % ALIGN
+    return raw[skip : skip + nbytes]
+
+
+def _read(reader: Any, path: Path, rows: list[tuple[int, int, torch.Tensor]]) -> dict[str, Any]:
+    """rows: (file offset, bytes, destination) sorted by offset."""
+    arr = torch.tensor(
+        [[off, n, dst.data_ptr(), dst.numel() * dst.element_size()] for off, n, dst in rows],
+        dtype=torch.int64,
+    ).reshape(-1, int(ext.RANGE_FIELDS))
+    return reader.read(str(path), arr.data_ptr(), arr.numel() * 8)
+
+
+def _check_all(reader: Any, path: Path, aligned_dst: bool = False) -> dict[str, Any]:
+    """Reads every tensor of the file in one call; compares with safetensors."""
+    layout = sorted(_layout(path).items(), key=lambda kv: kv[1][0])
+    dsts = {
+        k: (_aligned_empty(n) if aligned_dst else torch.empty(n, dtype=torch.uint8)) for k, (_, n) in layout
+    }
+    for d in dsts.values():
+        d.fill_(0xA5)
+    stats = _read(reader, path, [(off, n, dsts[k]) for k, (off, n) in layout])
+    stats["resident"] = _resident(path)  # before safetensors maps the file
+    with safe_open(str(path), "pt") as f:
+        for k in f.keys():  # noqa: SIM118 - safe_open has no __iter__
+            ref = f.get_tensor(k)
+            assert torch.equal(dsts[k], ref.contiguous().view(torch.uint8).reshape(-1)), k
+    return stats
+
+
+@pytest.fixture
+def unaligned(tmp_path: Path) -> Path:
+    p = tmp_path / "unaligned.safetensors"
+    save_file(_tensors(0, [1, 7, 3000, 4097, 70_001, 1 << 18, 5, 123_457, 3]), str(p))
+    return p
+
+
+@pytest.mark.parametrize("direct", ["auto", "off"])
+@pytest.mark.parametrize("block", [ALIGN, 3 * ALIGN, 64 << 10, 8 << 20])
+def test_unaligned_offsets_bit_exact(unaligned: Path, direct: str, block: int) -> None:
+    reader = ext.ColdReader(threads=3, block_bytes=block, direct=direct)
+    stats = _check_all(reader, unaligned)
+    assert stats["bytes_requested"] == sum(n for _, n in _layout(unaligned).values())
+    assert stats["bytes_read"] >= stats["bytes_requested"]
+    if direct == "off":
+        assert stats["direct_windows"] == 0
+    if block == 8 << 20:
+        assert stats["windows"] == 1  # the whole file is smaller than one read
+
+
+def test_direct_used_where_the_file_system_allows(unaligned: Path) -> None:
+    stats = _check_all(ext.ColdReader(threads=2, block_bytes=64 << 10, direct="auto"), unaligned)
+    if not stats["direct_refused"]:
+        assert stats["direct_windows"] == stats["windows"] > 1
+
+
+@pytest.mark.parametrize("direct", ["auto", "off"])
+@pytest.mark.parametrize("aligned_dst", [True, False])
+def test_aligned_offsets_bit_exact(tmp_path: Path, direct: str, aligned_dst: bool) -> None:
+    p = tmp_path / "aligned.safetensors"
+    _write_aligned(p, _tensors(1, [ALIGN, 6 * ALIGN // 4, 50 * ALIGN, 2 * ALIGN // 2]))
+    assert all(off % ALIGN == 0 for off, _ in _layout(p).values())
+    # Windows inside one tensor go straight to an aligned destination (no bounce).
+    _check_all(ext.ColdReader(threads=2, block_bytes=4 * ALIGN, direct=direct), p, aligned_dst)
+
+
+def test_small_files_and_empty_reads(tmp_path: Path) -> None:
+    p = tmp_path / "tiny.safetensors"
+    save_file({"a": torch.tensor([1.5], dtype=torch.bfloat16), "b": torch.zeros(0)}, str(p))
+    stats = _check_all(ext.ColdReader(), p)
+    assert stats["windows"] == 1
+    assert ext.ColdReader().read(str(p), 0, 0)["windows"] == 0
+
+
+def test_subranges_and_gaps(unaligned: Path) -> None:
+    """Slices of tensors (row ranges), every other one: gaps share reads."""
+    whole = unaligned.read_bytes()
+    layout = sorted(_layout(unaligned).values())
+    rows = []
+    for i, (off, n) in enumerate(layout):
+        if i % 2 or n < 10:
+            continue
+        a, b = off + n // 3 + 1, off + n - n // 5
+        rows.append((a, b - a, torch.empty(b - a, dtype=torch.uint8)))
+    for block in (ALIGN, 1 << 20):
+        for direct in ("auto", "off"):
+            for _, _, d in rows:
+                d.zero_()
+            _read(ext.ColdReader(threads=4, block_bytes=block, direct=direct), unaligned, rows)
+            for off, n, d in rows:
+                assert bytes(d.numpy()) == whole[off : off + n]
+
+
+def test_direct_refused_falls_back(unaligned: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A file system that refuses O_DIRECT (EINVAL on read): buffered, same bytes."""
+    monkeypatch.setenv("STREAMLOAD_TEST_DIRECT_EINVAL", "1")
+    stats = _check_all(ext.ColdReader(threads=3, block_bytes=64 << 10), unaligned)
+    assert stats["direct_refused"] and stats["direct_windows"] == 0
+    with pytest.raises(errors.CheckpointFileError, match="O_DIRECT"):
+        _check_all(ext.ColdReader(direct="on"), unaligned)
+    probe = ext.ColdReader(threads=2, block_bytes=64 << 10).probe([str(unaligned)])
+    assert probe["direct_refused"] and probe["bytes_read"] == unaligned.stat().st_size
+
+
+def test_env_turns_direct_off(unaligned: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("STREAMLOAD_DIRECT_IO", "0")
+    stats = _check_all(ext.ColdReader(block_bytes=64 << 10), unaligned)
+    assert stats["direct_windows"] == 0 and not stats["direct_refused"]
+
+
+@pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="no /dev/shm")
+def test_tmpfs(tmp_path: Path) -> None:
+    """tmpfs: refuses O_DIRECT on older kernels, accepts it on newer; same bytes either way."""
+    d = Path("/dev/shm") / f"streamload-cold-{os.getpid()}"
+    d.mkdir(exist_ok=True)
+    try:
+        p = d / "x.safetensors"
+        save_file(_tensors(2, [17, 40_000, 3, 9_999]), str(p))
+        for direct in ("auto", "off"):
+            _check_all(ext.ColdReader(threads=2, block_bytes=ALIGN * 2, direct=direct), p)
+    finally:
+        for f in d.iterdir():
+            f.unlink()
+        d.rmdir()
+
+
+def test_bounds_checked_before_any_write(unaligned: Path) -> None:
+    size = unaligned.stat().st_size
+    reader = ext.ColdReader()
+    dst = torch.zeros(64, dtype=torch.uint8)
+    other = torch.zeros(64, dtype=torch.uint8)
+    bad = {
+        "smaller than the read": [(0, 64, other), (100, 65, dst)],
+        "past the end": [(0, 64, other), (size - 10, 11, dst)],
+        "sorted": [(100, 8, other), (0, 8, dst)],
+        "overlap": [(0, 16, other), (8, 16, dst)],
+    }
+    for why, rows in bad.items():
+        with pytest.raises(errors.CheckpointFileError, match=why):
+            _read(reader, unaligned, rows)
+        assert int(other.count_nonzero()) == 0 and int(dst.count_nonzero()) == 0, why
+    with pytest.raises(ValueError, match="whole number"):
+        reader.read(str(unaligned), dst.data_ptr(), 24)
+    neg = torch.tensor([[-1, 8, dst.data_ptr(), 64]])
+    with pytest.raises(ValueError, match="negative"):
+        reader.read(str(unaligned), neg.data_ptr(), 32)
+    with pytest.raises(errors.CheckpointFileError, match="cannot open"):
+        reader.read(str(unaligned) + ".missing", 0, 0)
+    with pytest.raises(ValueError, match="direct"):
+        ext.ColdReader(direct="sometimes")
+
+
+def _resident(path: Path) -> float:
+    got, total = ext.residency(str(path))
+    return got / max(total, 1)
+
+
+def test_residency_evict_and_drop_behind(tmp_path: Path) -> None:
+    p = tmp_path / "big.safetensors"
+    save_file(_tensors(3, [1 << 20, 1 << 20, 333_333]), str(p))
+    p.read_bytes()
+    assert _resident(p) > 0.99
+    ext.evict(str(p))  # writes the fresh file back first, so the pages can go
+    if _resident(p) > 0.01:
+        pytest.skip("this file system keeps pages after POSIX_FADV_DONTNEED")
+    assert ext.residency(str(p), 0, 10)[1] == 1
+    assert _check_all(ext.ColdReader(direct="off"), p)["resident"] > 0.9  # buffered reads fill the cache ...
+    ext.evict(str(p))
+    stats = _check_all(ext.ColdReader(direct="off", drop_behind=True, block_bytes=1 << 20), p)
+    assert stats["resident"] < 0.01  # ... unless dropped behind the reader
+    ext.evict(str(p))
+    stats = _check_all(ext.ColdReader(direct="auto"), p)
+    if stats["direct_windows"]:
+        assert stats["resident"] < 0.01  # O_DIRECT bypasses it
+
+
+def test_probe_reads_every_byte_once(tmp_path: Path) -> None:
+    paths = []
+    for i in range(3):
+        p = tmp_path / f"f{i}.safetensors"
+        save_file(_tensors(10 + i, [200_000 + i, 77]), str(p))
+        paths.append(str(p))
+    for direct in ("auto", "off"):
+        stats = ext.ColdReader(threads=2, block_bytes=64 << 10, direct=direct).probe(paths)
+        total = sum(os.path.getsize(p) for p in paths)
+        assert stats["bytes_requested"] == total
+        assert stats["bytes_read"] == total
+        assert stats["seconds"] > 0
+        if direct == "off":
+            assert stats["direct_windows"] == 0
+
+
+def test_aligned_layout_up_to_the_end_of_the_file(unaligned: Path) -> None:
+    """Ranges widened to aligned bounds (the last one ending at the end of an
+    unaligned file) into aligned destinations: read in place."""
+    size = unaligned.stat().st_size
+    assert size % ALIGN
+    whole = unaligned.read_bytes()
+    cut = (size // 2) // ALIGN * ALIGN
+    spans = [(0, cut), (cut, size - cut)]
+    rows = [(a, n, _aligned_empty(-(-n // ALIGN) * ALIGN)) for a, n in spans]
+    for direct in ("auto", "off"):
+        for _, _, d in rows:
+            d.zero_()
+        _read(ext.ColdReader(threads=2, block_bytes=3 * ALIGN, direct=direct), unaligned, rows)
+        for a, n, d in rows:
+            assert bytes(d[:n].numpy()) == whole[a : a + n]
+
+
+def test_prefetch_fills_the_page_cache(tmp_path: Path) -> None:
+    p = tmp_path / "pre.safetensors"
+    save_file(_tensors(5, [1 << 20, 1 << 20, 1 << 20]), str(p))
+    ext.evict(str(p))
+    if _resident(p) > 0.01:
+        pytest.skip("this file system keeps pages after POSIX_FADV_DONTNEED")
+    size = p.stat().st_size
+    a, n = size // 4 + 3, size // 2
+    arr = torch.tensor([[a, n], [a + 10, 7]], dtype=torch.int64)  # overlapping ranges merge
+    stats = ext.ColdReader(threads=3, block_bytes=64 << 10).prefetch(str(p), arr.data_ptr(), arr.numel() * 8)
+    assert stats["bytes_read"] == n
+    got, total = ext.residency(str(p), a, n)
+    assert got >= total - 2  # the ends may share a page with what was not asked for
+    assert ext.residency(str(p), 0, a - 8192)[0] == 0  # readahead only runs forward
+    bad = torch.tensor([[size - 1, 2]], dtype=torch.int64)
+    with pytest.raises(errors.CheckpointFileError, match="past the end"):
+        ext.ColdReader().prefetch(str(p), bad.data_ptr(), 16)
