@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from ...io import cold
+from .table import baseline_row, render_table
 
 MiB = 1 << 20
 
@@ -82,54 +83,23 @@ def cold_table(
         "correct",
         "tie held",
     ]
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    for d in rows:
-        group = [str(d.get(k, "")) for k in group_keys]
-        if not d["ok"]:
-            err = (d.get("error") or "").strip().splitlines()
-            text = (err[-1] if err else "").replace("|", "/")[:200]
-            lines.append(
-                "| "
-                + " | ".join(
-                    [*group, str(d["world"]), d["strategy"], f"failed: {text}"]
-                    + [""] * (len(head) - len(group) - 3)
-                )
-                + " |"
-            )
-            continue
+
+    def cells(d: dict[str, Any]) -> list[str]:
         total = d["seconds"] + d.get("touch_seconds", 0.0)
         spread = d.get("cold_seconds_all") or [total]
         once = d["file_bytes"] / (d["disk_gbps"] * 1e9) if d.get("disk_gbps") else 0.0
-        base = next(
-            (
-                x
-                for x in rows
-                if x["strategy"] == baseline
-                and x["ok"]
-                and x["world"] == d["world"]
-                and all(x.get(k) == d.get(k) for k in group_keys)
-            ),
-            None,
-        )
+        base = baseline_row(rows, d, baseline, group_keys)
         base_total = base["seconds"] + base.get("touch_seconds", 0.0) if base else 0.0
-        lines.append(
-            "| "
-            + " | ".join(
-                [
-                    *group,
-                    str(d["world"]),
-                    d["strategy"],
-                    f"{d['seconds']:.2f}",
-                    f"{d.get('touch_seconds', 0.0):.2f}",
-                    f"{total:.2f} ({min(spread):.2f}-{max(spread):.2f})",
-                    f"{once:.2f} ({d.get('disk_gbps', 0.0):.2f} GB/s)",
-                    f"{total / once:.2f}x" if once else "-",
-                    f"{total / base_total:.2f}x" if base_total else "-",
-                    f"{d.get('resident_before', 0.0):.1%}",
-                    str(d["correct"]),
-                    str(d["tie_held"]),
-                ]
-            )
-            + " |"
-        )
-    return "\n".join(lines)
+        return [
+            f"{d['seconds']:.2f}",
+            f"{d.get('touch_seconds', 0.0):.2f}",
+            f"{total:.2f} ({min(spread):.2f}-{max(spread):.2f})",
+            f"{once:.2f} ({d.get('disk_gbps', 0.0):.2f} GB/s)",
+            f"{total / once:.2f}x" if once else "-",
+            f"{total / base_total:.2f}x" if base_total else "-",
+            f"{d.get('resident_before', 0.0):.1%}",
+            str(d["correct"]),
+            str(d["tie_held"]),
+        ]
+
+    return render_table(head, rows, group_keys, cells)

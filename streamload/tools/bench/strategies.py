@@ -127,10 +127,8 @@ def load_accelerate_efficient(ckpt: str, mesh: Any, dtype: torch.dtype, opts: di
     return model
 
 
-def load_dcp_hf(ckpt: str, mesh: Any, dtype: torch.dtype, opts: dict[str, Any]) -> nn.Module:
-    """meta, fully_shard, to_empty, torch.distributed.checkpoint.load with HuggingFaceStorageReader."""
-    import torch.distributed.checkpoint as dcp
-
+def _sharded_empty(ckpt: str, mesh: Any, dtype: torch.dtype) -> nn.Module:
+    """The model on meta, sharded, materialised empty with its buffers put back."""
     model = meta_model(ckpt, dtype)
     buffers = {n: b.detach().clone() for n, b in model.named_buffers()}
     default_shard_fn(model, mesh)
@@ -138,6 +136,14 @@ def load_dcp_hf(ckpt: str, mesh: Any, dtype: torch.dtype, opts: dict[str, Any]) 
     with torch.no_grad():
         for n, b in model.named_buffers():
             b.copy_(buffers[n])
+    return model
+
+
+def load_dcp_hf(ckpt: str, mesh: Any, dtype: torch.dtype, opts: dict[str, Any]) -> nn.Module:
+    """meta, fully_shard, to_empty, torch.distributed.checkpoint.load with HuggingFaceStorageReader."""
+    import torch.distributed.checkpoint as dcp
+
+    model = _sharded_empty(ckpt, mesh, dtype)
     state = {
         k: v
         for k, v in model.state_dict().items()
@@ -160,13 +166,7 @@ def load_fastsafetensors(ckpt: str, mesh: Any, dtype: torch.dtype, opts: dict[st
     from fastsafetensors import SafeTensorsFileLoader
     from torch.distributed.tensor import DTensor, Shard
 
-    model = meta_model(ckpt, dtype)
-    buffers = {n: b.detach().clone() for n, b in model.named_buffers()}
-    default_shard_fn(model, mesh)
-    model.to_empty(device=mesh.device_type)
-    with torch.no_grad():
-        for n, b in model.named_buffers():
-            b.copy_(buffers[n])
+    model = _sharded_empty(ckpt, mesh, dtype)
     files = sorted(str(p) for p in Path(ckpt).glob("*.safetensors"))
     world = dist.get_world_size()
     loader = SafeTensorsFileLoader(dist.group.WORLD, "cpu", nogds=True)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -84,55 +84,67 @@ def markdown_table(
         "correct",
         "tie held",
     ]
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    for d in rows:
-        group = [str(d.get(k, "")) for k in group_keys]
-        if not d["ok"]:
-            lines.append(
-                "| "
-                + " | ".join(
-                    [*group, str(d["world"]), d["strategy"], f"failed: {_first_line(d['error'])}"]
-                    + [""] * (len(head) - len(group_keys) - 3)
-                )
-                + " |"
-            )
-            continue
-        base = next(
-            (
-                x
-                for x in rows
-                if x["strategy"] == baseline
-                and x["ok"]
-                and x["world"] == d["world"]
-                and all(x.get(k) == d.get(k) for k in group_keys)
-            ),
-            None,
-        )
+
+    def cells(d: dict[str, Any]) -> list[str]:
+        base = baseline_row(rows, d, baseline, group_keys)
         t_ratio = f"{d['seconds'] / base['seconds']:.2f}x" if base else "-"
         m_ratio = (
             f"{d['overhead_bytes'] / base['overhead_bytes']:.2f}x"
             if base and base["overhead_bytes"] > 0
             else "-"
         )
-        lines.append(
-            "| "
-            + " | ".join(
-                [
-                    *group,
-                    str(d["world"]),
-                    d["strategy"],
-                    _timing(d, "seconds"),
-                    f"{d.get('touch_seconds', 0.0):.2f}",
-                    _timing(d, "first_step_seconds"),
-                    f"{d.get('file_backed_shard_bytes', 0) / MiB:.0f} MiB",
-                    f"{d['peak_anon_over_baseline'] / MiB:.0f} MiB",
-                    f"{d['overhead_bytes'] / MiB:.0f} MiB",
-                    t_ratio,
-                    m_ratio,
-                    str(d["correct"]),
-                    str(d["tie_held"]),
-                ]
-            )
-            + " |"
-        )
+        return [
+            _timing(d, "seconds"),
+            f"{d.get('touch_seconds', 0.0):.2f}",
+            _timing(d, "first_step_seconds"),
+            f"{d.get('file_backed_shard_bytes', 0) / MiB:.0f} MiB",
+            f"{d['peak_anon_over_baseline'] / MiB:.0f} MiB",
+            f"{d['overhead_bytes'] / MiB:.0f} MiB",
+            t_ratio,
+            m_ratio,
+            str(d["correct"]),
+            str(d["tie_held"]),
+        ]
+
+    return render_table(head, rows, group_keys, cells)
+
+
+def baseline_row(
+    rows: Sequence[dict[str, Any]], d: dict[str, Any], baseline: str, group_keys: Sequence[str]
+) -> dict[str, Any] | None:
+    """The ``baseline`` strategy's successful row in ``d``'s group (same ranks and group keys), if any."""
+    return next(
+        (
+            x
+            for x in rows
+            if x["strategy"] == baseline
+            and x["ok"]
+            and x["world"] == d["world"]
+            and all(x.get(k) == d.get(k) for k in group_keys)
+        ),
+        None,
+    )
+
+
+def failed_row(group: Sequence[str], d: dict[str, Any], width: int) -> str:
+    """A table line for a failed run: its group, ranks, strategy and the error's one line."""
+    cells = [*group, str(d["world"]), d["strategy"], f"failed: {_first_line(d.get('error'))}"]
+    return "| " + " | ".join(cells + [""] * (width - len(cells))) + " |"
+
+
+def render_table(
+    head: Sequence[str],
+    rows: Sequence[dict[str, Any]],
+    group_keys: Sequence[str],
+    cells: Callable[[dict[str, Any]], list[str]],
+) -> str:
+    """A Markdown table: a line per row — its group keys, ranks, strategy, then ``cells(row)``
+    (or the error's one line for a failed run)."""
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for d in rows:
+        group = [str(d.get(k, "")) for k in group_keys]
+        if not d["ok"]:
+            lines.append(failed_row(group, d, len(head)))
+            continue
+        lines.append("| " + " | ".join([*group, str(d["world"]), d["strategy"], *cells(d)]) + " |")
     return "\n".join(lines)
