@@ -145,3 +145,31 @@ def test_chunked_reads_bit_exact(ckpts: dict[str, str], chunk: int) -> None:
     _check_all(c, ckpts["one_file"])
     assert c.engine.stats.reads > 10
     c.engine.close()
+
+
+def test_transposed_source_larger_than_a_chunk_is_cut_not_recursed() -> None:
+    """A transposed source (outer dim stride 1) over a chunk: cut along the dim that spans
+    the most bytes, every piece within a chunk, the elements all covered once."""
+    import numpy as np
+
+    from streamload.io import _native
+
+    f = _native.OP_FIELDS
+    row = np.zeros(f, dtype=np.int64)
+    d = _native.MAX_DIMS
+    shape, sst, dst = 10, 10 + d, 10 + 2 * d
+    row[0], row[3], row[6], row[7] = 0, _native.DTYPE_CODES["BF16"], _native.DTYPE_CODES["BF16"], 2
+    row[2] = 2 * 4 * (1 << 20)
+    row[shape], row[shape + 1] = 4, 1 << 20
+    row[sst], row[sst + 1] = 1, 4
+    row[dst], row[dst + 1] = 1 << 20, 1
+
+    class _Files:
+        path, file_size, data_start = "/dev/null", 1 << 30, 0
+
+    engine = cold.ColdEngine(None, [_Files()], chunk_bytes=1 << 20)
+    pieces = engine._pieces(row)
+    assert len(pieces) >= 8
+    lo, hi, isz = engine._extents(np.stack(pieces))
+    assert ((hi - lo + 1) * isz <= 1 << 20).all()
+    assert sum(int(p[shape] * p[shape + 1]) for p in pieces) == 4 << 20

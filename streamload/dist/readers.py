@@ -13,7 +13,9 @@ Why auto never trusts copies: equal sizes, headers and sampled blocks do not
 prove equal bytes (two copies may differ anywhere between the samples, and
 hashing every byte would cost a full read on every rank), and a load that
 mixes two copies is silently wrong. Only the same file on a shared file
-system is proof. ``readers="owners"`` / ``"node"`` say the caller trusts the
+system is proof (across hosts the identity must come with equal sampled-data
+fingerprints too: two hosts' fresh disks unpacked alike can repeat device,
+inode and mtime). ``readers="owners"`` / ``"node"`` say the caller trusts the
 copies: they are checked against the cheap fingerprints, and then read.
 """
 
@@ -189,7 +191,13 @@ def choose(
     nodes = [[r for r in range(world) if keys[r] == k] for k in order]
     reference = seen[src][1]
     sees = [s[1] is not None and s[1] == reference for s in seen]  # a copy that looks the same
-    same = [s[3] is not None and s[3] == seen[src][3] for s in seen]  # provably the reader's files
+    # The reader's files: the same (device, inode, size, mtime_ns). On the reader's host that is
+    # proof; across hosts the tuple alone is not (two fresh disks unpacked alike repeat inodes and
+    # keep mtimes), so there the sampled-data fingerprint must agree as well.
+    same = [
+        s[3] is not None and s[3] == seen[src][3] and (s[0] == seen[src][0] or sees[r])
+        for r, s in enumerate(seen)
+    ]
     if reference is None or has_source:
         if requested in (ReaderMode.OWNERS, ReaderMode.NODE):
             raise ValueError(

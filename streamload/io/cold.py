@@ -183,9 +183,13 @@ class ColdEngine:
         dims = [d for d in range(ndim) if row[_SHAPE + d] > 1 and row[_SRC_STRIDE + d] != 0]
         if not dims:
             return [row]
-        d = dims[0]
+        # Cut along the dim that spans the most source bytes (a transposed source's outer
+        # dim may have stride 1); a cut that would not shrink the row ends the recursion.
+        d = max(dims, key=lambda k: abs(int(row[_SRC_STRIDE + k])) * (int(row[_SHAPE + k]) - 1))
         n, ss, ds = int(row[_SHAPE + d]), int(row[_SRC_STRIDE + d]), int(row[_DST_STRIDE + d])
         step = max(1, self.chunk_bytes // (abs(ss) * isz))
+        if step >= n:
+            return [row]
         out: list[np.ndarray] = []
         for k in range(0, n, step):
             piece = row.copy()
