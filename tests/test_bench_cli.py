@@ -126,3 +126,7 @@ def test_repeats_give_medians_and_spread() -> None:
     assert row["seconds"] == 2.0 and row["seconds_spread"] == (1.0, 3.0) and row["runs"] == 3
     assert row["first_step_seconds"] == 3.0 and row["correct"] is True
     assert "| x | 2 | s | 2.00 (1.00-3.00) | 0.00 | 3.00 (2.00-4.00) |" in markdown_table([row], ["label"])
+    # Only the first repeat is verified: its verdict is the row's, whichever run is the median.
+    unverified = [dict(r, correct=None) for r in runs[1:]]
+    assert median_of([dict(runs[0], correct=False), *unverified])["correct"] is False
+    assert median_of([runs[0], *unverified])["correct"] is True

@@ -46,7 +46,9 @@ def median_of(runs: Sequence[dict[str, Any]]) -> dict[str, Any]:
         row[key] = values[n // 2] if n % 2 else (values[n // 2 - 1] + values[n // 2]) / 2
         row[key + "_spread"] = (values[0], values[-1])
     row["runs"] = len(ok)
-    row["correct"] = all(r["correct"] for r in ok) if all(r["correct"] is not None for r in ok) else None
+    # The correctness pass runs on the first repeat only: the verified runs decide.
+    verified = [r for r in runs if r.get("correct") is not None]
+    row["correct"] = all(r["correct"] for r in verified) if verified else None
     return row
 
 
