@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import os
-import signal
-import time
 
 import torch
 from cases_load import MISSING_PATH, compare_model, full, mesh_for, reference
+from forking import wait_for_child
 from safetensors.torch import load_file
 
 import streamload
@@ -113,17 +112,7 @@ def case_fork_child_reads(rank: int, world: int, *, ckpt: str) -> dict | None:
             code = 0 if torch.equal(bits(c.read(name)), bits(before)) else 2
         finally:
             os._exit(code)
-    deadline = time.monotonic() + 20
-    while True:
-        done, status = os.waitpid(pid, os.WNOHANG)
-        if done:
-            break
-        if time.monotonic() > deadline:
-            os.kill(pid, signal.SIGKILL)
-            os.waitpid(pid, 0)
-            raise AssertionError("the child deadlocked reading a Checkpoint opened before fork()")
-        time.sleep(0.05)
-    assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0, status
+    wait_for_child(pid, 20, "the child deadlocked reading a Checkpoint opened before fork()")
     return {"ok": True}
 
 

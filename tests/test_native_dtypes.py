@@ -14,6 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from forking import wait_for_child
 from safetensors import safe_open
 from safetensors.torch import save_file
 
@@ -261,17 +262,7 @@ def _fork_and_copy_in_child(sf: object, eng: object, begin: int, end: int, expec
             code = 0 if out.tobytes() == expect else 2
         finally:
             os._exit(code)
-    deadline = time.monotonic() + 20
-    while True:
-        done, status = os.waitpid(pid, os.WNOHANG)
-        if done:
-            break
-        if time.monotonic() > deadline:
-            os.kill(pid, signal.SIGKILL)
-            os.waitpid(pid, 0)
-            pytest.fail("the child deadlocked copying through an engine created before fork()")
-        time.sleep(0.05)
-    assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0, status
+    wait_for_child(pid, 20, "the child deadlocked copying through an engine created before fork()")
 
 
 def test_engine_created_before_fork_works_in_the_child(tmp_path: Path) -> None:
@@ -297,17 +288,7 @@ def test_engine_created_before_fork_works_in_the_child(tmp_path: Path) -> None:
             os._exit(0)
         except BaseException:
             os._exit(3)
-    deadline = time.monotonic() + 40
-    while True:
-        done, status = os.waitpid(pid, os.WNOHANG)
-        if done:
-            break
-        if time.monotonic() > deadline:
-            os.kill(pid, signal.SIGKILL)
-            os.waitpid(pid, 0)
-            pytest.fail("nested fork hung")
-        time.sleep(0.05)
-    assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0, status
+    wait_for_child(pid, 40, "nested fork hung")
 
 
 def test_engine_destroyed_in_a_child_that_never_used_it() -> None:
@@ -384,14 +365,4 @@ def test_two_threads_of_a_forked_child_run_one_pre_fork_engine(tmp_path: Path) -
             code = 0 if all(o.tobytes() == expect for o in outs) else 2
         finally:
             os._exit(code)
-    deadline = time.monotonic() + 30
-    while True:
-        done, status = os.waitpid(pid, os.WNOHANG)
-        if done:
-            break
-        if time.monotonic() > deadline:
-            os.kill(pid, signal.SIGKILL)
-            os.waitpid(pid, 0)
-            pytest.fail("two threads of a forked child hung on one engine")
-        time.sleep(0.05)
-    assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0, status
+    wait_for_child(pid, 30, "two threads of a forked child hung on one engine")
