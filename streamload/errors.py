@@ -121,3 +121,10 @@ class TieError(StreamloadError):
 
 class RemoteRankError(StreamloadError):
     """Another rank failed; raised on the ranks that were waiting for it."""
+
+
+class MappingError(ModelMismatchError):
+    """A key mapping (``load_checkpoint(mapping=...)``, e.g. torchtitan's state-dict
+    adapter) that streamload cannot express as region algebra exactly, or whose
+    derived layout differs from what the mapping itself produces; raised on every
+    rank before the first weight byte."""

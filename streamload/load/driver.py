@@ -38,6 +38,7 @@ def load_checkpoint(
     map_files: bool | str = "auto",
     quantized: str = "dequantize",
     unexpected: str = "error",
+    mapping: Any = None,
 ) -> LoadReport:
     """Streams a safetensors checkpoint into an FSDP2 (or plain) model.
 
@@ -88,6 +89,15 @@ def load_checkpoint(
             hold raise KeyMismatchError) or "ignore" (they are skipped and only listed in
             ``LoadReport.unexpected_keys``: a pipeline stage that holds some layers loads them from
             the whole checkpoint; a tensor the stage holds and the files lack still raises).
+        mapping: the model's own names for the checkpoint's tensors, when they are not
+            transformers' (e.g. torchtitan): torchtitan's state-dict adapter itself (its
+            ``from_hf_map`` renames, per-expert stacking into ``[experts, ...]``, checked against
+            its own ``from_hf`` on meta tensors), a ``{template: name}`` dict in the same form, or a
+            callable ``checkpoint key -> model name | None``. Module load hooks (torchtitan's fused
+            QKV) are applied as region algebra; anything with no exact region form is a
+            ``MappingError`` on every rank. Persistent buffers the mapped format lacks
+            (``moe.expert_bias_E``) keep their values, or are recomputed by their module
+            (``_init_self_buffers``) on a model built on meta.
 
     Returns:
         A LoadReport.

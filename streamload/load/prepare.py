@@ -7,7 +7,7 @@ import os
 import time
 import warnings
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -25,6 +25,7 @@ from ..io.sources import Source, as_source
 from ..model.layouts import check_placements
 from ..model.mapped import MappedShards, map_shards
 from ..model.missing import fill_uncovered, snapshot_real
+from ..model.own_buffers import init_own_buffers
 from ..model.offload import materialize_offloaded, offloads_to_cpu
 from ..model.specs import (
     LayoutSpec,
@@ -48,6 +49,7 @@ from ..model.state import (
 )
 from ..plan.buckets import Bucket, Placement, Plan, build_plan, validate_dtypes, validate_shapes
 from ..plan.convert import Conversion, FallbackSources, Table, plan_conversions
+from ..plan.mapping import plan_mapping
 from ..plan.global_buckets import build_served_plan
 from ..plan.keys import KeyMatch, match_keys
 from ..plan.quant import QuantTensor, check_kept, quantized_view, scheme_from_config
@@ -108,6 +110,7 @@ class LoadOptions:
     map_files: bool | str = "auto"
     quantized: str = "dequantize"
     unexpected: str = "error"
+    mapping: Any = None
 
 
 class PhaseClock:
@@ -412,9 +415,16 @@ def _check_and_materialize(
         view, local.quant = meta.table, {}
     else:
         local.quant = quant
-    local.conversion = plan_conversions(model, view, shapes)
+    outside: set[str] = set()
+    if options.mapping is not None:  # the caller's names (e.g. torchtitan's adapter), not transformers'
+        mapped = plan_mapping(options.mapping, model, view, shapes)
+        local.conversion, outside = mapped.conversion, mapped.outside
+    else:
+        local.conversion = plan_conversions(model, view, shapes)
     local.table = {**view, **local.conversion.virtual_table}
     match = local.match = match_keys(state, shapes, local.table, *ignore_patterns(model), local.conversion)
+    # Tensors the mapped format does not hold are kept (or recomputed below), not missing.
+    match.missing = [n for n in match.missing if n not in outside]
     # A pipeline stage holds some layers: the checkpoint's other tensors are not its concern,
     # but anything the stage holds and the files lack still is.
     unexpected = match.unexpected if options.unexpected == "error" else []
@@ -442,8 +452,11 @@ def _check_and_materialize(
             materialize_offloaded(model, device)
         else:
             materialize(model, device)
-        local.unrestored = restore_buffers(model, state)
-        fill_uncovered(model, uncovered, saved, rank)
+        # Buffers their own module recomputes (torchtitan's _init_self_buffers), then the saved values back.
+        own = init_own_buffers(model, [*state.meta_buffers, *(n for n in uncovered if n not in saved)], device)
+        state_left = replace(state, meta_buffers=[n for n in state.meta_buffers if n not in own])
+        local.unrestored = restore_buffers(model, state_left)
+        fill_uncovered(model, [n for n in uncovered if n not in own or n in saved], saved, rank)
     rebind_ties(model, state.ties)
     clock.mark("materialize")
     local.tensors = [get_tensor(model, t.name) for t in match.targets]

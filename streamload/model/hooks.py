@@ -1,0 +1,89 @@
+"""Module load hooks as region algebra: torchtitan's fused QKV.
+
+torchtitan's ``FusedQKVLinear`` holds one ``wqkv`` parameter and exposes the stock
+``wq`` / ``wk`` / ``wv`` names through state-dict hooks: on load its pre-hook
+(``_merge_qkv_on_load``) reshapes each to ``[n_kv, heads, head_dim, ...]`` and
+concatenates along the head dim, i.e. ``wqkv`` rows are, per KV group ``g``, the
+group's ``heads_per_kv`` query heads, then its key head, then its value head. Here
+that interleave is pieces of the three sources (one narrow of each per group), so a
+rank's shard of ``wqkv`` is copied from exactly the rows it needs. Any other load
+pre-hook changes names or values in a way streamload cannot see: a ``MappingError``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import nn
+
+from ..errors import MappingError
+from ..plan.convert import Sym, _cat, _narrow
+
+FUSED_QKV_HOOK = "FusedQKVLinear._merge_qkv_on_load"
+
+
+def _hook_name(hook: Any) -> str:
+    fn = getattr(hook, "hook", hook)  # torch wraps hooks registered with_module
+    return str(getattr(fn, "__qualname__", repr(fn)))
+
+
+def fused_qkv(q: Sym, k: Sym, v: Sym, head_dim: int, heads_per_kv: int) -> Sym:
+    """The fused ``wqkv`` (weight or bias) from ``wq``, ``wk``, ``wv``, as the hook builds it.
+
+    Args:
+        q, k, v: the three projections (dim 0: heads x head_dim rows).
+        head_dim: rows per head.
+        heads_per_kv: query heads per KV head.
+
+    Returns:
+        ``cat([q.view(n_kv, hpk, hd, ...), k.view(n_kv, 1, hd, ...), v...], 1).view(-1, ...)`` as pieces.
+
+    Example:
+        >>> fused_qkv(q, k, v, 128, 2).shape  # (n_kv * (2 + 2) * 128, dim)
+    """
+    hd, hpk = head_dim, heads_per_kv
+    if k.shape != v.shape or k.shape[0] % hd or q.shape[0] != k.shape[0] * hpk or q.shape[1:] != k.shape[1:]:
+        raise MappingError(f"q/k/v shapes {list(q.shape)}, {list(k.shape)}, {list(v.shape)} do not fuse")
+    parts: list[Sym] = []
+    for g in range(k.shape[0] // hd):
+        parts += [_narrow(q, 0, g * hpk * hd, hpk * hd), _narrow(k, 0, g * hd, hd), _narrow(v, 0, g * hd, hd)]
+    return _cat(parts, 0)
+
+
+def apply_load_hooks(model: nn.Module, syms: dict[str, Sym]) -> tuple[dict[str, Sym], dict[str, list[str]]]:
+    """Applies the model's module load pre-hooks to mapped tensors, symbolically.
+
+    Args:
+        model: the model (sharded or not).
+        syms: name -> symbolic tensor, as the state dict would hold them.
+
+    Returns:
+        The new mapping, and fused name -> the names it was built from.
+
+    Raises:
+        MappingError: a load pre-hook with no region form.
+
+    Example:
+        >>> syms, fused = apply_load_hooks(model, syms)
+        >>> fused["layers.0.attention.qkv_linear.wqkv.weight"]
+        ['layers.0.attention.qkv_linear.wq.weight', ...]
+    """
+    out = dict(syms)
+    fused: dict[str, list[str]] = {}
+    for mod_name, mod in model.named_modules():
+        for hook in getattr(mod, "_load_state_dict_pre_hooks", {}).values():
+            name = _hook_name(hook)
+            if not name.endswith(FUSED_QKV_HOOK):
+                raise MappingError(f"load_state_dict pre-hook {name} has no region form", tensor=mod_name)
+            prefix = f"{mod_name}." if mod_name else ""
+            for param in ("weight", "bias"):
+                keys = [f"{prefix}{w}.{param}" for w in ("wq", "wk", "wv")]
+                if not all(k in out for k in keys):
+                    if any(k in out for k in keys):
+                        raise MappingError(f"fused QKV needs all of {keys}", tensor=mod_name)
+                    continue
+                q, k, v = (out.pop(key) for key in keys)
+                target = f"{prefix}wqkv.{param}"
+                out[target] = fused_qkv(q, k, v, int(mod.head_dim), int(mod.heads_per_kv))
+                fused[target] = keys
+    return out, fused
