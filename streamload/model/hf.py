@@ -5,6 +5,7 @@ computes them."""
 from __future__ import annotations
 
 import contextlib
+import sys
 from collections.abc import Iterator
 
 import torch
@@ -98,6 +99,8 @@ def init_buffers_like_from_pretrained(model: nn.Module) -> list[str] | None:
         >>> init_buffers_like_from_pretrained(model)
         []
     """
+    if "transformers.modeling_utils" not in sys.modules:
+        return None  # a model of transformers' has imported it: this one is not (and stays light)
     try:
         from transformers import initialization as hf_init
         from transformers.modeling_utils import PreTrainedModel

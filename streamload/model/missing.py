@@ -13,6 +13,7 @@ initialises missing weights.
 from __future__ import annotations
 
 import contextlib
+import sys
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -59,6 +60,8 @@ def _initializer(model: nn.Module, mod_name: str) -> Callable[[nn.Module], Any] 
 
 def _guarded_init() -> contextlib.AbstractContextManager[Any]:
     """transformers' guard that makes ``torch.nn.init`` respect ``_is_hf_initialized`` too."""
+    if "transformers" not in sys.modules:
+        return contextlib.nullcontext()  # no transformers model here: do not import it (seconds)
     try:
         from transformers import initialization as hf_init
     except ImportError:

@@ -12,6 +12,7 @@ reader to one source group at a time (bounded memory, one warning).
 from __future__ import annotations
 
 import copy
+import sys
 import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -259,9 +260,11 @@ def plan_conversions(model: nn.Module, table: Table, targets: dict[str, tuple[in
     Returns:
         The Conversion; targets present in the checkpoint as they are get no entry.
     """
+    conv = Conversion()
+    if "transformers.modeling_utils" not in sys.modules:
+        return conv  # not a transformers model (it would have imported it): no mapping, no import
     from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
 
-    conv = Conversion()
     if all(k in table and tuple(table[k][1]) == tuple(shape) for k, shape in targets.items()):
         # Every target is in the checkpoint as it is: nothing to convert, and
         # transformers' mapping tables (a few hundred regexes) need not be built.

@@ -1,0 +1,129 @@
+"""torchtitan 0.3.0 as a client: its own Qwen3 models (fused QKV; per-expert MoE),
+parallelised with its own functions on 2 and 4 gloo ranks, loaded by streamload from a
+hub checkpoint with torchtitan's state-dict adapter as the mapping, bit for bit with
+torchtitan's own HF load (parameters, buffers, logits); mappings with no exact region
+form are a MappingError on every rank; no transformers import for a torchtitan model."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("torchtitan.models.qwen3", reason="torchtitan is a clients extra (.ci/clients-nodeps.txt)")
+
+import cases_titan as cases  # noqa: E402
+import titan_models as tm  # noqa: E402
+from rank_group import RankGroup  # noqa: E402
+
+import streamload  # noqa: E402
+from streamload.io.copy_ops import bit_view as bits  # noqa: E402
+
+HERE = Path(__file__).parent
+
+
+@pytest.fixture(scope="module")
+def ckpts(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    root = tmp_path_factory.mktemp("titan")
+    return {kind: tm.write_checkpoint(root / kind, kind, seed=11 + i) for i, kind in enumerate(("dense", "moe"))}
+
+
+@pytest.fixture(scope="module", params=[2, 4])
+def group(request: pytest.FixtureRequest):
+    g = RankGroup(request.param)
+    yield g
+    g.close()
+
+
+def test_per_expert_checkpoint(ckpts: dict[str, str]) -> None:
+    """The MoE checkpoint stores experts one tensor each (what the stacking is for)."""
+    index = (Path(ckpts["moe"]) / "model.safetensors.index.json").read_text()
+    assert "model.layers.1.mlp.experts.3.down_proj.weight" in index
+
+
+@pytest.mark.parametrize("kind", ["dense", "moe"])
+def test_mapping_matches_adapter_one_process(ckpts: dict[str, str], kind: str) -> None:
+    """The region form of the adapter (plus the fused-QKV hook) equals ``from_hf`` + ``load_state_dict``."""
+    cfg = tm.titan_config(kind)
+    ref = tm.titan_reference(cfg, ckpts[kind])
+    model = tm.build_meta(cfg)
+    report = streamload.load_checkpoint(model, ckpts[kind], mapping=tm.adapter_for(cfg))
+    assert cases.compare(model, ref) == []
+    assert report.missing_keys == []
+    if kind == "dense":
+        assert model.lm_head.weight is model.tok_embeddings.weight
+    x = tm.tokens()
+    assert torch.equal(bits(tm.forward_logits(model, x)), bits(tm.forward_logits(ref, x)))
+
+
+def test_meta_build_buffers_not_garbage(ckpts: dict[str, str]) -> None:
+    """strict=False on a meta build: rope cache, tokens_per_expert and expert_bias are
+    recomputed by their modules, equal to torchtitan's init (the issue saw ~1e17)."""
+    cfg = tm.titan_config("moe")
+    model = tm.build_meta(cfg)
+    streamload.load_checkpoint(model, ckpts["moe"], mapping=tm.adapter_for(cfg), strict=False)
+    ref = tm.titan_reference(cfg, ckpts["moe"])
+    for name, b in model.named_buffers():
+        assert torch.equal(bits(b), bits(ref.get_buffer(name))), name
+    assert any(n.endswith("rope.cache") for n, _ in model.named_buffers())
+
+
+def test_missing_parameter_is_loud(ckpts: dict[str, str]) -> None:
+    """A parameter the mapping does not produce is missing: KeyMismatchError, not a silent init."""
+    cfg = tm.titan_config("dense")
+    mapping = dict(tm.adapter_for(cfg).from_hf_map)
+    mapping["model.norm.weight"] = None
+    with pytest.raises(streamload.KeyMismatchError, match="norm.weight"):
+        streamload.load_checkpoint(tm.build_meta(cfg), ckpts["dense"], mapping=mapping)
+
+
+def test_no_transformers_import(ckpts: dict[str, str]) -> None:
+    """Loading a torchtitan model never imports transformers (seconds of a load)."""
+    code = textwrap.dedent(
+        f"""
+        import sys
+        sys.path.insert(0, {str(HERE)!r})
+        import titan_models as tm
+        import streamload
+        cfg = tm.titan_config("moe")
+        streamload.load_checkpoint(tm.build_meta(cfg), {ckpts["moe"]!r}, mapping=tm.adapter_for(cfg))
+        assert "transformers" not in sys.modules, "transformers was imported"
+        print("ok")
+        """
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0 and "ok" in out.stdout, out.stderr[-3000:]
+
+
+@pytest.mark.parametrize("kind", ["dense", "moe"])
+def test_fsdp_bit_exact(group: RankGroup, ckpts: dict[str, str], kind: str) -> None:
+    """torchtitan's parallelize_qwen3 (FSDP over every rank), meta build, strict load."""
+    out = group.run(cases.case_titan_load, timeout=300, kind=kind, path=ckpts[kind])
+    for r in out:
+        assert r["bad"] == [] and r["logits_equal"] and r["missing"] == [], r
+        assert r["tied"] is (kind == "dense")
+
+
+def test_moe_init_first_keeps_bias(group: RankGroup, ckpts: dict[str, str]) -> None:
+    """torchtitan's own order (init_weights, then the checkpoint): expert_bias_E is kept."""
+    out = group.run(cases.case_titan_load, timeout=300, kind="moe", path=ckpts["moe"], init_first=True)
+    assert all(r["bad"] == [] and r["logits_equal"] for r in out), out
+
+
+def test_tp_fsdp_bit_exact(group: RankGroup, ckpts: dict[str, str]) -> None:
+    """TP 2 x FSDP (world // 2) with torchtitan's own plan: the fused QKV is column-sharded."""
+    if group.world < 4:
+        pytest.skip("TP x FSDP needs 4 ranks")
+    out = group.run(cases.case_titan_load, timeout=300, kind="dense", path=ckpts["dense"], tp=2)
+    for r in out:
+        assert r["bad"] == [] and r["logits_equal"] and r["tied"], r
+
+
+@pytest.mark.parametrize("how", ["swapped_qk", "collide", "unknown_hook"])
+def test_bad_mapping_on_every_rank(group: RankGroup, ckpts: dict[str, str], how: str) -> None:
+    out = group.run(cases.case_titan_bad_mapping, timeout=300, path=ckpts["dense"], how=how)
+    assert all(r.startswith("MappingError meta=True") for r in out), out
