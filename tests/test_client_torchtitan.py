@@ -121,6 +121,8 @@ def test_tp_fsdp_bit_exact(group: RankGroup, ckpts: dict[str, str]) -> None:
     out = group.run(cases.case_titan_load, timeout=300, kind="dense", path=ckpts["dense"], tp=2)
     for r in out:
         assert r["bad"] == [] and r["logits_equal"] and r["tied"], r
+        # 2-D placements (FSDP x TP) really were loaded, not FSDP alone.
+        assert any(p.count("Shard") == 2 for p in r["placements"]), r["placements"]
 
 
 @pytest.mark.parametrize("how", ["swapped_qk", "collide", "unknown_hook"])

@@ -149,3 +149,28 @@ def forward_logits(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
 
 def tokens(vocab: int = DIMS["vocab"], n: int = 11) -> torch.Tensor:
     return torch.randint(0, vocab, (2, n), generator=torch.Generator().manual_seed(5))
+
+
+def titan_own_load(model: nn.Module, config: Any, path: str) -> None:
+    """torchtitan's own HF load into its parallelised model: ``CheckpointManager.dcp_load``
+    (``to_hf`` of ``ModelWrapper.state_dict()``, DCP with the adapter's
+    ``HuggingFaceStorageReader``, ``from_hf``, ``ModelWrapper.load_state_dict``), called as is."""
+    from types import SimpleNamespace
+
+    from torchtitan.components.checkpointer.base import MODEL, ModelWrapper
+    from torchtitan.components.checkpointer.dcp import CheckpointManager
+
+    wrapper = ModelWrapper(model)
+    owner = SimpleNamespace(sd_adapter=adapter_for(config), states={MODEL: wrapper})
+    CheckpointManager.dcp_load(owner, wrapper.state_dict(), path, from_hf=True, from_quantized=False)  # type: ignore[arg-type]
+
+
+def titan_parallel_reference(config: Any, path: str, world: int, tp: int = 1) -> nn.Module:
+    """torchtitan's flow end to end: meta build, parallelize, to_empty, init_weights, own HF load."""
+    torch.manual_seed(0)
+    model = build_meta(config)
+    parallelize(model, world, tp=tp)
+    model.to_empty(device="cpu")
+    model.init_weights(buffer_device=torch.device("cpu"))  # type: ignore[operator]
+    titan_own_load(model, config, path)
+    return model
