@@ -81,6 +81,17 @@ def test_missing_parameter_is_loud(ckpts: dict[str, str]) -> None:
         streamload.load_checkpoint(tm.build_meta(cfg), ckpts["dense"], mapping=mapping)
 
 
+def test_value_transforming_adapter_is_refused(ckpts: dict[str, str]) -> None:
+    """llama3's from_hf permutes q/k rows (same names and shapes): not a region map, so loud."""
+    from torchtitan.models.llama3 import llama3_configs
+    from torchtitan.models.llama3.state_dict_adapter import Llama3StateDictAdapter
+
+    adapter = Llama3StateDictAdapter(llama3_configs["debugmodel"](attn_backend="flex"), None)
+    cfg = tm.titan_config("dense")
+    with pytest.raises(streamload.MappingError, match="llama3"):
+        streamload.load_checkpoint(tm.build_meta(cfg), ckpts["dense"], mapping=adapter)
+
+
 def test_no_transformers_import(ckpts: dict[str, str]) -> None:
     """Loading a torchtitan model never imports transformers (seconds of a load)."""
     code = textwrap.dedent(

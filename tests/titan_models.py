@@ -17,7 +17,15 @@ DIMS: dict[str, Any] = dict(dim=48, head_dim=8, n_heads=6, n_kv_heads=2, vocab=9
 MOE: dict[str, Any] = dict(experts=4, top_k=2, moe_hidden=24)
 
 
-def titan_config(kind: str, fuse_qkv: bool = True, layers: int | None = None, dim: int | None = None) -> Any:
+def sizes(**overrides: int) -> dict[str, int]:
+    """DIMS and MOE with ``overrides`` (the benchmark's larger models)."""
+    unknown = set(overrides) - set(DIMS) - set(MOE)
+    if unknown:
+        raise TypeError(f"unknown sizes {sorted(unknown)}")
+    return {**DIMS, **MOE, **overrides}
+
+
+def titan_config(kind: str, fuse_qkv: bool = True, **overrides: int) -> Any:
     """A torchtitan Qwen3Model.Config: ``kind`` is "dense" (tied) or "moe" (untied)."""
     from torchtitan.models.common import CosSinRoPE, Embedding, Linear
     from torchtitan.models.qwen3 import (
@@ -29,11 +37,7 @@ def titan_config(kind: str, fuse_qkv: bool = True, layers: int | None = None, di
         _qwen3_norm,
     )
 
-    d = dict(DIMS)
-    if layers is not None:
-        d["layers"] = layers
-    if dim is not None:
-        d["dim"] = dim
+    d = sizes(**overrides)
     rope = CosSinRoPE.Config(dim=d["head_dim"], max_seq_len=64, theta=1_000_000.0)
     common = dict(
         n_layers=d["layers"], dim=d["dim"], n_heads=d["n_heads"], n_kv_heads=d["n_kv_heads"],
@@ -43,7 +47,7 @@ def titan_config(kind: str, fuse_qkv: bool = True, layers: int | None = None, di
         layer_cfgs = _build_qwen3_layers(hidden_dim=d["hidden"], **common)
     else:
         layer_cfgs = _build_qwen3_moe_layers(
-            moe_hidden_dim=MOE["moe_hidden"], num_experts=MOE["experts"], top_k=MOE["top_k"],
+            moe_hidden_dim=d["moe_hidden"], num_experts=d["experts"], top_k=d["top_k"],
             moe_comm_backend="standard", **common,
         )
     return Qwen3Model.Config(
@@ -57,30 +61,33 @@ def titan_config(kind: str, fuse_qkv: bool = True, layers: int | None = None, di
     )
 
 
-def hf_config(kind: str, layers: int | None = None, dim: int | None = None) -> Any:
+def hf_config(kind: str, **overrides: int) -> Any:
     """The transformers config whose checkpoint the torchtitan config loads."""
     from transformers import Qwen3Config, Qwen3MoeConfig
 
-    d = dict(DIMS)
+    d = sizes(**overrides)
     common = dict(
-        hidden_size=dim or d["dim"], head_dim=d["head_dim"], num_attention_heads=d["n_heads"],
-        num_key_value_heads=d["n_kv_heads"], vocab_size=d["vocab"], num_hidden_layers=layers or d["layers"],
+        hidden_size=d["dim"], head_dim=d["head_dim"], num_attention_heads=d["n_heads"],
+        num_key_value_heads=d["n_kv_heads"], vocab_size=d["vocab"], num_hidden_layers=d["layers"],
         rms_norm_eps=1e-6, rope_theta=1_000_000.0, max_position_embeddings=64,
     )
     if kind == "dense":
         return Qwen3Config(intermediate_size=d["hidden"], tie_word_embeddings=True, **common)
     return Qwen3MoeConfig(
-        moe_intermediate_size=MOE["moe_hidden"], intermediate_size=d["hidden"], num_experts=MOE["experts"],
-        num_experts_per_tok=MOE["top_k"], norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[],
+        moe_intermediate_size=d["moe_hidden"], intermediate_size=d["hidden"], num_experts=d["experts"],
+        num_experts_per_tok=d["top_k"], norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[],
         tie_word_embeddings=False, **common,
     )
 
 
-def write_checkpoint(out: Path, kind: str, seed: int, dtype: torch.dtype = torch.bfloat16, **kw: Any) -> str:
+def write_checkpoint(
+    out: Path, kind: str, seed: int, dtype: torch.dtype = torch.bfloat16, shard: str = "40KB", **overrides: int
+) -> str:
     """A hub checkpoint (transformers' ``save_pretrained``, random weights, small shards)."""
     from streamload.tools.synthetic import make_checkpoint
 
-    return str(make_checkpoint(out, config=hf_config(kind, **kw), seed=seed, dtype=dtype, max_shard_size="40KB"))
+    cfg = hf_config(kind, **overrides)
+    return str(make_checkpoint(out, config=cfg, seed=seed, dtype=dtype, max_shard_size=shard))
 
 
 def adapter_for(config: Any) -> Any:

@@ -134,6 +134,18 @@ def _adapter_shapes(adapter: Any, table: Table) -> dict[str, tuple[int, ...]]:
     return {k: tuple(v.shape) for k, v in out.items()}
 
 
+# Adapters' ``from_hf`` functions read and verified (bit for bit, tests/test_client_torchtitan.py) to
+# do nothing but the ``from_hf_map`` renames, per-expert ``torch.stack`` and the tie copy. Names
+# and shapes alone cannot tell a value transform: llama3's ``from_hf`` permutes q/k rows for
+# RoPE with the same names and shapes, so any other ``from_hf`` is a MappingError.
+VERIFIED_FROM_HF = frozenset({"torchtitan.models.qwen3.state_dict_adapter.Qwen3StateDictAdapter.from_hf"})
+
+
+def _from_hf_name(adapter: Any) -> str:
+    fn = getattr(type(adapter), "from_hf", None)
+    return f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', '?')}"
+
+
 def is_adapter(mapping: Any) -> bool:
     """A state-dict adapter in torchtitan's form (``from_hf_map`` and ``from_hf``)."""
     return isinstance(getattr(mapping, "from_hf_map", None), Mapping) and callable(
@@ -166,6 +178,13 @@ def plan_mapping(
     """
     adapter = is_adapter(mapping)
     if adapter:
+        if _from_hf_name(mapping) not in VERIFIED_FROM_HF:
+            raise MappingError(
+                f"{_from_hf_name(mapping)} is not known to be renames and expert stacking only "
+                f"(verified: {sorted(VERIFIED_FROM_HF)}); a from_hf that also transforms values "
+                "(llama3 permutes q/k rows) would load wrong with the same names and shapes. "
+                "Pass its from_hf_map as a dict if it does nothing more"
+            )
         rename = _template_rename(mapping.from_hf_map)
     elif isinstance(mapping, Mapping):
         rename = _template_rename(mapping)
