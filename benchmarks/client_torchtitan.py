@@ -33,9 +33,21 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 MiB = 1 << 20
 # Models that load in well under a minute per repeat on 2 shared cores.
 MODELS: dict[str, dict[str, Any]] = {
-    "dense": dict(kind="dense", dim=1024, head_dim=64, n_heads=16, n_kv_heads=4, vocab=32000, layers=8, hidden=3072),
-    "moe": dict(kind="moe", dim=768, head_dim=64, n_heads=12, n_kv_heads=4, vocab=32000, layers=4, experts=32,
-                moe_hidden=384, top_k=4),
+    "dense": dict(
+        kind="dense", dim=1024, head_dim=64, n_heads=16, n_kv_heads=4, vocab=32000, layers=8, hidden=3072
+    ),
+    "moe": dict(
+        kind="moe",
+        dim=768,
+        head_dim=64,
+        n_heads=12,
+        n_kv_heads=4,
+        vocab=32000,
+        layers=4,
+        experts=32,
+        moe_hidden=384,
+        top_k=4,
+    ),
 }
 
 
@@ -71,7 +83,9 @@ def _one(strategy: str, cfg: Any, path: str, world: int) -> tuple[Any, float, in
     return model, seconds, sampler.peak - sampler.baseline
 
 
-def _worker(rank: int, world: int, init: str, jobs: list[tuple[str, str, dict[str, Any]]], repeats: int, q: Any) -> None:
+def _worker(
+    rank: int, world: int, init: str, jobs: list[tuple[str, str, dict[str, Any]]], repeats: int, q: Any
+) -> None:
     os.environ["OMP_NUM_THREADS"] = "1"
     import titan_models as tm
     import torch
@@ -169,8 +183,10 @@ def main() -> None:
     results = []
     for world in args.ranks:
         results += run_world(world, jobs, args.repeats)
-    print("| model | ranks | torchtitan load s | streamload s | torchtitan peak anon/rank MiB | "
-          "streamload peak anon/rank MiB | bit-exact |")
+    print(
+        "| model | ranks | torchtitan load s | streamload s | torchtitan peak anon/rank MiB | "
+        "streamload peak anon/rank MiB | bit-exact |"
+    )
     print("|---|---|---|---|---|---|---|")
     for line in rows(results):
         print(line, flush=True)

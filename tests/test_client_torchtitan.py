@@ -14,7 +14,9 @@ from pathlib import Path
 import pytest
 import torch
 
-pytest.importorskip("torchtitan.models.qwen3", reason="torchtitan is a clients extra (.ci/clients-nodeps.txt)")
+pytest.importorskip(
+    "torchtitan.models.qwen3", reason="torchtitan is a clients extra (.ci/clients-nodeps.txt)"
+)
 
 import cases_titan as cases  # noqa: E402
 import titan_models as tm  # noqa: E402
@@ -29,7 +31,9 @@ HERE = Path(__file__).parent
 @pytest.fixture(scope="module")
 def ckpts(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     root = tmp_path_factory.mktemp("titan")
-    return {kind: tm.write_checkpoint(root / kind, kind, seed=11 + i) for i, kind in enumerate(("dense", "moe"))}
+    return {
+        kind: tm.write_checkpoint(root / kind, kind, seed=11 + i) for i, kind in enumerate(("dense", "moe"))
+    }
 
 
 @pytest.fixture(scope="module", params=[2, 4])

@@ -40,22 +40,33 @@ def titan_config(kind: str, fuse_qkv: bool = True, **overrides: int) -> Any:
     d = sizes(**overrides)
     rope = CosSinRoPE.Config(dim=d["head_dim"], max_seq_len=64, theta=1_000_000.0)
     common = dict(
-        n_layers=d["layers"], dim=d["dim"], n_heads=d["n_heads"], n_kv_heads=d["n_kv_heads"],
-        head_dim=d["head_dim"], fuse_qkv=fuse_qkv, attn_backend="flex", rope=rope,
+        n_layers=d["layers"],
+        dim=d["dim"],
+        n_heads=d["n_heads"],
+        n_kv_heads=d["n_kv_heads"],
+        head_dim=d["head_dim"],
+        fuse_qkv=fuse_qkv,
+        attn_backend="flex",
+        rope=rope,
     )
     if kind == "dense":
         layer_cfgs = _build_qwen3_layers(hidden_dim=d["hidden"], **common)
     else:
         layer_cfgs = _build_qwen3_moe_layers(
-            moe_hidden_dim=d["moe_hidden"], num_experts=d["experts"], top_k=d["top_k"],
-            moe_comm_backend="standard", **common,
+            moe_hidden_dim=d["moe_hidden"],
+            num_experts=d["experts"],
+            top_k=d["top_k"],
+            moe_comm_backend="standard",
+            **common,
         )
     return Qwen3Model.Config(
         vocab_size=d["vocab"],
         dim=d["dim"],
         norm=_qwen3_norm(d["dim"]),
         enable_weight_tying=kind == "dense",
-        tok_embeddings=Embedding.Config(num_embeddings=d["vocab"], embedding_dim=d["dim"], param_init=_EMBEDDING_INIT),
+        tok_embeddings=Embedding.Config(
+            num_embeddings=d["vocab"], embedding_dim=d["dim"], param_init=_EMBEDDING_INIT
+        ),
         lm_head=Linear.Config(in_features=d["dim"], out_features=d["vocab"], param_init=_LINEAR_INIT),
         layers=layer_cfgs,
     )
@@ -67,21 +78,38 @@ def hf_config(kind: str, **overrides: int) -> Any:
 
     d = sizes(**overrides)
     common = dict(
-        hidden_size=d["dim"], head_dim=d["head_dim"], num_attention_heads=d["n_heads"],
-        num_key_value_heads=d["n_kv_heads"], vocab_size=d["vocab"], num_hidden_layers=d["layers"],
-        rms_norm_eps=1e-6, rope_theta=1_000_000.0, max_position_embeddings=64,
+        hidden_size=d["dim"],
+        head_dim=d["head_dim"],
+        num_attention_heads=d["n_heads"],
+        num_key_value_heads=d["n_kv_heads"],
+        vocab_size=d["vocab"],
+        num_hidden_layers=d["layers"],
+        rms_norm_eps=1e-6,
+        rope_theta=1_000_000.0,
+        max_position_embeddings=64,
     )
     if kind == "dense":
         return Qwen3Config(intermediate_size=d["hidden"], tie_word_embeddings=True, **common)
     return Qwen3MoeConfig(
-        moe_intermediate_size=d["moe_hidden"], intermediate_size=d["hidden"], num_experts=d["experts"],
-        num_experts_per_tok=d["top_k"], norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[],
-        tie_word_embeddings=False, **common,
+        moe_intermediate_size=d["moe_hidden"],
+        intermediate_size=d["hidden"],
+        num_experts=d["experts"],
+        num_experts_per_tok=d["top_k"],
+        norm_topk_prob=True,
+        decoder_sparse_step=1,
+        mlp_only_layers=[],
+        tie_word_embeddings=False,
+        **common,
     )
 
 
 def write_checkpoint(
-    out: Path, kind: str, seed: int, dtype: torch.dtype = torch.bfloat16, shard: str = "40KB", **overrides: int
+    out: Path,
+    kind: str,
+    seed: int,
+    dtype: torch.dtype = torch.bfloat16,
+    shard: str = "40KB",
+    **overrides: int,
 ) -> str:
     """A hub checkpoint (transformers' ``save_pretrained``, random weights, small shards)."""
     from streamload.tools.synthetic import make_checkpoint
@@ -120,8 +148,13 @@ def parallelize(model: nn.Module, world: int, tp: int = 1) -> Any:
     )
     dims = ParallelDims.from_config(pc, world)
     parallelize_qwen3(
-        model, parallel_dims=dims, training=TrainingConfig(), parallelism=pc,
-        compile_config=CompileConfig(), ac_config=None, dump_folder="/tmp",
+        model,
+        parallel_dims=dims,
+        training=TrainingConfig(),
+        parallelism=pc,
+        compile_config=CompileConfig(),
+        ac_config=None,
+        dump_folder="/tmp",
     )
     return dims
 

@@ -25,8 +25,8 @@ from ..io.sources import Source, as_source
 from ..model.layouts import check_placements
 from ..model.mapped import MappedShards, map_shards
 from ..model.missing import fill_uncovered, snapshot_real
-from ..model.own_buffers import init_own_buffers
 from ..model.offload import materialize_offloaded, offloads_to_cpu
+from ..model.own_buffers import init_own_buffers
 from ..model.specs import (
     LayoutSpec,
     global_layout,
@@ -49,9 +49,9 @@ from ..model.state import (
 )
 from ..plan.buckets import Bucket, Placement, Plan, build_plan, validate_dtypes, validate_shapes
 from ..plan.convert import Conversion, FallbackSources, Table, plan_conversions
-from ..plan.mapping import plan_mapping
 from ..plan.global_buckets import build_served_plan
 from ..plan.keys import KeyMatch, match_keys
+from ..plan.mapping import plan_mapping
 from ..plan.quant import QuantTensor, check_kept, quantized_view, scheme_from_config
 from .source import OpenedSource, SourceMeta, check_same_table, open_source, resolve_device, resolve_group
 
@@ -453,10 +453,12 @@ def _check_and_materialize(
         else:
             materialize(model, device)
         # Buffers their own module recomputes (torchtitan's _init_self_buffers), then the saved values back.
-        own = init_own_buffers(model, [*state.meta_buffers, *(n for n in uncovered if n not in saved)], device)
-        state_left = replace(state, meta_buffers=[n for n in state.meta_buffers if n not in own])
+        recomputed = init_own_buffers(
+            model, [*state.meta_buffers, *(n for n in uncovered if n not in saved)], device
+        )
+        state_left = replace(state, meta_buffers=[n for n in state.meta_buffers if n not in recomputed])
         local.unrestored = restore_buffers(model, state_left)
-        fill_uncovered(model, [n for n in uncovered if n not in own or n in saved], saved, rank)
+        fill_uncovered(model, [n for n in uncovered if n not in recomputed or n in saved], saved, rank)
     rebind_ties(model, state.ties)
     clock.mark("materialize")
     local.tensors = [get_tensor(model, t.name) for t in match.targets]

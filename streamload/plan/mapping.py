@@ -112,7 +112,9 @@ def map_table(
     for name, by_index in stacked.items():
         indices = sorted(by_index)
         if indices != list(range(len(indices))):
-            raise MappingError(f"stacked sources have indices {indices}, not 0..{len(indices) - 1}", tensor=name)
+            raise MappingError(
+                f"stacked sources have indices {indices}, not 0..{len(indices) - 1}", tensor=name
+            )
         keys = [by_index[i] for i in indices]
         leaves = [Sym(tuple(table[k][1]), [identity_piece(k, tuple(table[k][1]))]) for k in keys]
         try:
@@ -125,12 +127,16 @@ def map_table(
 
 def _adapter_shapes(adapter: Any, table: Table) -> dict[str, tuple[int, ...]]:
     """Runs the adapter's own ``from_hf`` on meta tensors: its names and shapes, no bytes."""
-    metas = {k: torch.empty(shape, dtype=TORCH_DTYPES[dt], device="meta") for k, (dt, shape, _) in table.items()}
+    metas = {
+        k: torch.empty(shape, dtype=TORCH_DTYPES[dt], device="meta") for k, (dt, shape, _) in table.items()
+    }
     try:
         # A copy: from_hf records state (expert bookkeeping) the caller's adapter must not see.
         out = copy.deepcopy(adapter).from_hf(metas)
     except Exception as exc:  # noqa: BLE001 - the adapter's own refusal, reported by name
-        raise MappingError(f"the adapter's from_hf refused the checkpoint: {type(exc).__name__}: {exc}") from exc
+        raise MappingError(
+            f"the adapter's from_hf refused the checkpoint: {type(exc).__name__}: {exc}"
+        ) from exc
     return {k: tuple(v.shape) for k, v in out.items()}
 
 
@@ -202,7 +208,10 @@ def plan_mapping(
         got = {k: v.shape for k, v in syms.items()}
         # A tied adapter copies the embedding to lm_head; streamload re-binds the alias instead.
         tied = {k for k in want if k not in got and _is_alias(model, k)}
-        diff = sorted({k for k in set(want) ^ set(got) if k not in tied} | {k for k in got if k in want and got[k] != want[k]})
+        diff = sorted(
+            {k for k in set(want) ^ set(got) if k not in tied}
+            | {k for k in got if k in want and got[k] != want[k]}
+        )
         if diff:
             raise MappingError(
                 f"the adapter's from_hf gives {len(want)} tensors, the region form {len(got)}; "
@@ -214,7 +223,9 @@ def plan_mapping(
     conv = Conversion(consumed=consumed)
     for name, sym in syms.items():
         if name in targets and tuple(targets[name]) != tuple(sym.shape):
-            raise MappingError(f"mapped shape {list(sym.shape)}, model shape {list(targets[name])}", tensor=name)
+            raise MappingError(
+                f"mapped shape {list(sym.shape)}, model shape {list(targets[name])}", tensor=name
+            )
         conv.pieces[name] = tuple(sym.pieces)
         conv.described[name] = "mapped" + (" (fused QKV)" if name in hooked else "")
         conv.sources[name] = sources.get(name, set())
