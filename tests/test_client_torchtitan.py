@@ -36,7 +36,11 @@ def ckpts(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     }
 
 
-@pytest.fixture(scope="module", params=[2, 4])
+# 2 ranks in the default run; 3 (odd: every dim shards unevenly) and 4 (TP x FSDP) with --runslow.
+@pytest.fixture(
+    scope="module",
+    params=[2, pytest.param(3, marks=pytest.mark.slow), pytest.param(4, marks=pytest.mark.slow)],
+)
 def group(request: pytest.FixtureRequest):
     g = RankGroup(request.param)
     yield g
