@@ -99,3 +99,16 @@ def case_titan_bad_mapping(rank: int, world: int, *, path: str, how: str) -> str
         still_meta = all(getattr(p, "_local_tensor", p).is_meta for p in model.parameters())
         return f"MappingError meta={still_meta}: {exc}"
     raise AssertionError("no MappingError")
+
+
+def case_titan_tp_untied(rank: int, world: int, *, path: str) -> str:
+    """TP unties lm_head on a meta build; loading it as is would silently untie: TieError everywhere."""
+    cfg = tm.titan_config("dense")
+    model = tm.build_meta(cfg)
+    tm.parallelize(model, world, tp=2)
+    try:
+        streamload.load_checkpoint(model, path, mapping=tm.adapter_for(cfg))
+    except streamload.TieError as exc:
+        still_meta = all(getattr(p, "_local_tensor", p).is_meta for p in model.parameters())
+        return f"TieError meta={still_meta}: {exc}"
+    raise AssertionError("no TieError")

@@ -31,9 +31,8 @@ HERE = Path(__file__).parent
 @pytest.fixture(scope="module")
 def ckpts(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     root = tmp_path_factory.mktemp("titan")
-    return {
-        kind: tm.write_checkpoint(root / kind, kind, seed=11 + i) for i, kind in enumerate(("dense", "moe"))
-    }
+    kinds = ("dense", "moe", "untied")
+    return {kind: tm.write_checkpoint(root / kind, kind, seed=11 + i) for i, kind in enumerate(kinds)}
 
 
 # 2 ranks in the default run; 3 (odd: every dim shards unevenly) and 4 (TP x FSDP) with --runslow.
@@ -134,14 +133,23 @@ def test_moe_init_first_keeps_bias(group: RankGroup, ckpts: dict[str, str]) -> N
 
 
 def test_tp_fsdp_bit_exact(group: RankGroup, ckpts: dict[str, str]) -> None:
-    """TP 2 x FSDP (world // 2) with torchtitan's own plan: the fused QKV is column-sharded."""
+    """TP 2 x FSDP (world // 2) with torchtitan's own plan (the fused QKV column-sharded, as a
+    _StridedShard x Shard DTensor), untied embeddings (TP unties a tied model: next test)."""
     if group.world < 4:
         pytest.skip("TP x FSDP needs 4 ranks")
-    out = group.run(cases.case_titan_load, timeout=300, kind="dense", path=ckpts["dense"], tp=2)
+    out = group.run(cases.case_titan_load, timeout=300, kind="untied", path=ckpts["untied"], tp=2)
     for r in out:
-        assert r["bad"] == [] and r["logits_equal"] and r["tied"], r
+        assert r["bad"] == [] and r["logits_equal"] and not r["tied"], r
         # 2-D placements (FSDP x TP) really were loaded, not FSDP alone.
         assert any(p.count("Shard") == 2 for p in r["placements"]), r["placements"]
+
+
+def test_tp_untied_is_tie_error(group: RankGroup, ckpts: dict[str, str]) -> None:
+    """TP gives lm_head its own parameter on a meta build: a TieError on every rank, not an untie."""
+    if group.world < 4:
+        pytest.skip("TP x FSDP needs 4 ranks")
+    out = group.run(cases.case_titan_tp_untied, timeout=300, path=ckpts["dense"])
+    assert all(r.startswith("TieError meta=True") for r in out), out
 
 
 @pytest.mark.parametrize("how", ["swapped_qk", "collide", "unknown_hook"])

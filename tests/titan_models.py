@@ -14,7 +14,7 @@ from torch import nn
 
 # Odd sizes where torchtitan allows: heads_per_kv 3, so a fused QKV group is 5 heads.
 DIMS: dict[str, Any] = dict(dim=48, head_dim=8, n_heads=6, n_kv_heads=2, vocab=97, layers=2, hidden=40)
-MOE: dict[str, Any] = dict(experts=4, top_k=2, moe_hidden=24)
+MOE: dict[str, Any] = dict(experts=12, top_k=2, moe_hidden=24)  # 12: torchtitan needs experts % ranks == 0
 
 
 def sizes(**overrides: int) -> dict[str, int]:
@@ -26,7 +26,7 @@ def sizes(**overrides: int) -> dict[str, int]:
 
 
 def titan_config(kind: str, fuse_qkv: bool = True, **overrides: int) -> Any:
-    """A torchtitan Qwen3Model.Config: ``kind`` is "dense" (tied) or "moe" (untied)."""
+    """A torchtitan Qwen3Model.Config: ``kind`` is "dense" (tied), "untied" (dense) or "moe" (untied)."""
     from torchtitan.models.common import CosSinRoPE, Embedding, Linear
     from torchtitan.models.qwen3 import (
         _EMBEDDING_INIT,
@@ -49,7 +49,7 @@ def titan_config(kind: str, fuse_qkv: bool = True, **overrides: int) -> Any:
         attn_backend="flex",
         rope=rope,
     )
-    if kind == "dense":
+    if kind in ("dense", "untied"):
         layer_cfgs = _build_qwen3_layers(hidden_dim=d["hidden"], **common)
     else:
         layer_cfgs = _build_qwen3_moe_layers(
@@ -59,7 +59,7 @@ def titan_config(kind: str, fuse_qkv: bool = True, **overrides: int) -> Any:
             moe_comm_backend="standard",
             **common,
         )
-    return Qwen3Model.Config(
+    config = Qwen3Model.Config(
         vocab_size=d["vocab"],
         dim=d["dim"],
         norm=_qwen3_norm(d["dim"]),
@@ -70,6 +70,11 @@ def titan_config(kind: str, fuse_qkv: bool = True, **overrides: int) -> Any:
         lm_head=Linear.Config(in_features=d["dim"], out_features=d["vocab"], param_init=_LINEAR_INIT),
         layers=layer_cfgs,
     )
+    # As the trainer's update_from_config: the TP plan (used only where TP is enabled).
+    from torchtitan.models.qwen3.sharding import set_qwen3_sharding_config
+
+    set_qwen3_sharding_config(config, enable_sp=True, enable_ep=False)
+    return config
 
 
 def hf_config(kind: str, **overrides: int) -> Any:
@@ -88,8 +93,8 @@ def hf_config(kind: str, **overrides: int) -> Any:
         rope_theta=1_000_000.0,
         max_position_embeddings=64,
     )
-    if kind == "dense":
-        return Qwen3Config(intermediate_size=d["hidden"], tie_word_embeddings=True, **common)
+    if kind in ("dense", "untied"):
+        return Qwen3Config(intermediate_size=d["hidden"], tie_word_embeddings=kind == "dense", **common)
     return Qwen3MoeConfig(
         moe_intermediate_size=d["moe_hidden"],
         intermediate_size=d["hidden"],

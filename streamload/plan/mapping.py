@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..errors import MappingError
+from ..errors import MappingError, TieError
 from ..io.copy_ops import TORCH_DTYPES
 from ..model.hooks import apply_load_hooks
 from .convert import Conversion, Sym, Table, _stack
@@ -208,6 +208,16 @@ def plan_mapping(
         got = {k: v.shape for k, v in syms.items()}
         # A tied adapter copies the embedding to lm_head; streamload re-binds the alias instead.
         tied = {k for k in want if k not in got and _is_alias(model, k)}
+        untied = sorted(k for k in want if k not in got and k in targets)
+        if untied:
+            # The adapter ties it (enable_weight_tying), the model holds it as its own parameter
+            # (TP's distribute replaces each module's parameter): loading would leave it untied.
+            raise TieError(
+                f"the adapter ties {untied} to another tensor (enable_weight_tying) but the model "
+                "holds them as their own parameters; re-tie before loading, as torchtitan's "
+                "init_weights does (model.tok_embeddings.weight = model.lm_head.weight)",
+                tensor=untied[0],
+            )
         diff = sorted(
             {k for k in set(want) ^ set(got) if k not in tied}
             | {k for k in got if k in want and got[k] != want[k]}
