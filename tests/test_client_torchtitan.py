@@ -67,6 +67,29 @@ def test_mapping_matches_adapter_one_process(ckpts: dict[str, str], kind: str) -
     assert torch.equal(bits(tm.forward_logits(model, x)), bits(tm.forward_logits(ref, x)))
 
 
+def test_dict_and_callable_mappings(ckpts: dict[str, str]) -> None:
+    """The template dict and a rename callable (no adapter) give the same bytes as the adapter."""
+    import re
+
+    cfg = tm.titan_config("dense")
+    ref = tm.titan_reference(cfg, ckpts["dense"])
+    table = dict(tm.adapter_for(cfg).from_hf_map)
+    rules = [(re.compile("^" + re.escape(k).replace(r"\{\}", r"(\d+)") + "$"), v) for k, v in table.items()]
+
+    def rename(key: str) -> str | None:
+        for pattern, name in rules:
+            m = pattern.match(key)
+            if m:
+                return None if name is None else name.format(*m.groups())
+        return key
+
+    for mapping in (table, rename):
+        model = tm.build_meta(cfg)
+        streamload.load_checkpoint(model, ckpts["dense"], mapping=mapping)
+        assert cases.compare(model, ref) == []
+        assert model.lm_head.weight is model.tok_embeddings.weight
+
+
 def test_meta_build_buffers_not_garbage(ckpts: dict[str, str]) -> None:
     """strict=False on a meta build: rope cache, tokens_per_expert and expert_bias are
     recomputed by their modules, equal to torchtitan's init (the issue saw ~1e17)."""
