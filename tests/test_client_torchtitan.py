@@ -90,6 +90,28 @@ def test_dict_and_callable_mappings(ckpts: dict[str, str]) -> None:
         assert model.lm_head.weight is model.tok_embeddings.weight
 
 
+def test_extra_checkpoint_tensor(ckpts: dict[str, str], tmp_path: Path) -> None:
+    """A tensor the adapter does not map: unexpected (strict raises), ignored with unexpected="ignore"."""
+    import json
+    import shutil
+
+    from safetensors.torch import save_file
+
+    path = tmp_path / "extra"
+    shutil.copytree(ckpts["dense"], path)
+    save_file({"mtp.proj.weight": torch.ones(3, 2)}, str(path / "extra.safetensors"))
+    index = json.loads((path / "model.safetensors.index.json").read_text())
+    index["weight_map"]["mtp.proj.weight"] = "extra.safetensors"
+    (path / "model.safetensors.index.json").write_text(json.dumps(index))
+    cfg = tm.titan_config("dense")
+    with pytest.raises(streamload.KeyMismatchError, match="mtp.proj.weight"):
+        streamload.load_checkpoint(tm.build_meta(cfg), str(path), mapping=tm.adapter_for(cfg))
+    model = tm.build_meta(cfg)
+    report = streamload.load_checkpoint(model, str(path), mapping=tm.adapter_for(cfg), unexpected="ignore")
+    assert report.unexpected_keys == ["mtp.proj.weight"]
+    assert cases.compare(model, tm.titan_reference(cfg, ckpts["dense"])) == []
+
+
 def test_meta_build_buffers_not_garbage(ckpts: dict[str, str]) -> None:
     """strict=False on a meta build: rope cache, tokens_per_expert and expert_bias are
     recomputed by their modules, equal to torchtitan's init (the issue saw ~1e17)."""

@@ -204,7 +204,8 @@ def plan_mapping(
         raise MappingError(f"mapping must be an adapter, a dict or a callable, not {type(mapping).__name__}")
     syms, consumed, sources = map_table(rename, table)
     if adapter:
-        want = _adapter_shapes(mapping, table)
+        # Only what the templates map: other tensors are match_keys' unexpected keys (strict, or ignored).
+        want = _adapter_shapes(mapping, {k: v for k, v in table.items() if k in consumed})
         got = {k: v.shape for k, v in syms.items()}
         # A tied adapter copies the embedding to lm_head; streamload re-binds the alias instead.
         tied = {k for k in want if k not in got and _is_alias(model, k)}
