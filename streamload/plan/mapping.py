@@ -29,9 +29,6 @@ from ..model.hooks import apply_load_hooks
 from .convert import Conversion, Sym, Table, _stack
 from .regions import identity_piece
 
-Rename = Callable[[str], "str | None"]
-
-
 @dataclass
 class MappedLoad:
     """What a caller mapping gives the load.
