@@ -29,6 +29,7 @@ from ..model.hooks import apply_load_hooks
 from .convert import Conversion, Sym, Table, _stack
 from .regions import identity_piece
 
+
 @dataclass
 class MappedLoad:
     """What a caller mapping gives the load.
