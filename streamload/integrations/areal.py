@@ -1,0 +1,103 @@
+"""AReaL's drop-in: ``areal.engine.fsdp_utils.fsdp2_load_full_state_dict``, streamed.
+
+AReaL 1.0.4 (``areal/engine/fsdp_engine.py``, ``FSDPEngine.initialize``) calls
+``fsdp2_load_full_state_dict(model, full_state, cpu_offload, tie_word_embeddings=...)``:
+``cpu_offload`` third and a tie flag, unlike verl's ``(model, full_state, device_mesh,
+cpu_offload)``. This module gives that signature; the work is verl's drop-in's.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..dist.protocol import gather_or_raise
+from ..errors import TieError
+from ..io.checkpoint import Checkpoint
+from ..load.source import resolve_device, resolve_group
+from ..report import LoadReport
+from .frameworks import fsdp2_load_full_state_dict as _verl_load
+
+
+def model_mesh(model: nn.Module) -> Any:
+    """The device mesh of the model's first DTensor parameter, or None (plain model).
+
+    Clients that take no mesh (AReaL, accelerate) shard over a sub-mesh of the world
+    (AReaL's ``dp_sp``): the group to load over is the one the parameters live on.
+    """
+    for p in model.parameters():
+        mesh = getattr(p, "device_mesh", None)
+        if mesh is not None:
+            return mesh
+    return None
+
+
+def _check_tie_flag(model: nn.Module, tie_word_embeddings: bool, mesh: Any) -> None:
+    """TieError on every rank when ``tie_word_embeddings`` says tied but the model is not.
+
+    AReaL re-ties after loading (``model.tie_weights()``); streamload keeps the ties the
+    model was built with and does not re-tie what was never tied, so a flag that
+    disagrees with the model is an error, agreed before any byte moves.
+    """
+    error: BaseException | None = None
+    if tie_word_embeddings:
+        emb = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+        head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+        if emb is not None and head is not None and head.weight is not emb.weight:
+            error = TieError(
+                "tie_word_embeddings=True but the output embedding is not the input embedding's "
+                "Parameter: tie the model (model.tie_weights()) before fully_shard",
+                tensor="lm_head.weight",
+            )
+    group = resolve_group(None, mesh)
+    if group is None:
+        if error is not None:
+            raise error
+        return
+    rank = dist.get_rank()
+    gather_or_raise(None, error, rank, group, resolve_device(model, mesh, group))
+
+
+def fsdp2_load_full_state_dict(
+    model: nn.Module,
+    full_state: Mapping[str, torch.Tensor] | Checkpoint | str | os.PathLike | Any,
+    cpu_offload: Any = None,
+    tie_word_embeddings: bool = False,
+) -> LoadReport:
+    """AReaL's ``fsdp2_load_full_state_dict``, streamed (same signature and effect).
+
+    The model is already sharded by AReaL's ``parallelize_model`` (rank 0 materialised
+    on the CPU, the other ranks on meta under ``memory_efficient_load``). Only rank 0's
+    ``full_state`` is read. Passing the checkpoint directory (or
+    ``streamload.Checkpoint.lazy(path)``) instead of the state dict is the fix for
+    per-expert MoE checkpoints: AReaL's rank 0 fills its model with
+    ``load_state_dict(raw_checkpoint, strict=False)``, which leaves the fused experts
+    (``experts.gate_up_proj`` / ``down_proj``) at their random init with only a warning;
+    streamload fuses the per-expert tensors from the files.
+
+    Args:
+        model: the ``fully_shard``-ed model.
+        full_state: on rank 0, a dict of tensors, a checkpoint path, a
+            ``streamload.Checkpoint`` or ``Checkpoint.lazy(path)``; ignored elsewhere.
+        cpu_offload: AReaL's ``CPUOffloadPolicy`` or None: when given, parameters end on
+            the CPU and buffers on the device.
+        tie_word_embeddings: AReaL's flag. Ties are recorded from the model itself and
+            kept on every rank; a flag saying tied for a model that is not is a
+            ``TieError`` on every rank before the load.
+
+    Returns:
+        The LoadReport (AReaL ignores the return value).
+
+    Example:
+        >>> from streamload.integrations.areal import fsdp2_load_full_state_dict
+        >>> fsdp2_load_full_state_dict(model, config.path if rank == 0 else {}, cpu_offload,
+        ...                            tie_word_embeddings=model_config.tie_word_embeddings)
+    """
+    mesh = model_mesh(model)
+    _check_tie_flag(model, tie_word_embeddings, mesh)
+    return _verl_load(model, full_state, mesh, cpu_offload)
