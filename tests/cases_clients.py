@@ -136,27 +136,47 @@ def case_accelerate(rank: int, world: int, *, ckpt: str, use_streamload: bool, d
     import accelerate.utils.fsdp_utils as fsdp_utils
     from accelerate import Accelerator
     from accelerate.state import AcceleratorState, PartialState
-    from accelerate.utils import FullyShardedDataParallelPlugin
+    from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
     from transformers import AutoModelForCausalLM
 
     _accelerate_env(rank, world)
     AcceleratorState._reset_state(True)
     PartialState._reset_state()
     original = fsdp_utils.fsdp2_load_full_state_dict
+    reports: list[Any] = []
+
+    def entry(*args: Any, **kwargs: Any) -> Any:
+        reports.append(streamload.accelerate_fsdp2_load_full_state_dict(*args, **kwargs))
+        return reports[-1]
+
     try:
         if use_streamload:
-            fsdp_utils.fsdp2_load_full_state_dict = streamload.accelerate_fsdp2_load_full_state_dict
+            fsdp_utils.fsdp2_load_full_state_dict = entry
         plugin = FullyShardedDataParallelPlugin(fsdp_version=2, cpu_ram_efficient_loading=True)
         accelerator = Accelerator(cpu=True, fsdp_plugin=plugin)
+        # accelerate turns FSDP on only for accelerator devices (MULTI_GPU, ...); on CPU
+        # ranks set what it sets there (state.py), so prepare() takes its FSDP2 path.
+        accelerator.state.distributed_type = DistributedType.FSDP
+        accelerator.state.fsdp_plugin = plugin
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             model = AutoModelForCausalLM.from_pretrained(ckpt, dtype=dtype)
-        model = accelerator.prepare(model)
+        # FSDP2 in accelerate wants the optimizer too: it re-points it at the sharded parameters.
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        model, optimizer = accelerator.prepare(model, optimizer)
     finally:
         fsdp_utils.fsdp2_load_full_state_dict = original
     ref = reference(ckpt, dtype)
     sharded = sum(hasattr(p, "device_mesh") for p in model.parameters())
-    return {"bad": compare_model(model, ref), "tied": tied(model), "ref_tied": tied(ref), "sharded": sharded}
+    in_optimizer = {id(p) for g in optimizer.param_groups for p in g["params"]}
+    assert in_optimizer == {id(p) for p in model.parameters()}, "optimizer not on the loaded parameters"
+    return {
+        "bad": compare_model(model, ref),
+        "tied": tied(model),
+        "ref_tied": tied(ref),
+        "sharded": sharded,
+        "streamload_calls": len(reports),
+    }
 
 
 # -- hub cache and lazy sources ---------------------------------------------------------------
