@@ -19,7 +19,7 @@ def _fused_experts(model: torch.nn.Module) -> set[str]:
 
 
 # -- AReaL -----------------------------------------------------------------------------------
-def _areal_build(ckpt: str, rank: int, on_meta: bool) -> tuple[Any, Any, Any, Any, Any]:
+def _areal_build(ckpt: str, rank: int, on_meta: bool, untie: bool = False) -> tuple[Any, Any, Any, Any, Any]:
     """AReaL 1.0.4's FSDPEngine model build on CPU: ``_create_device_model`` under
     ``memory_efficient_load`` (rank 0 ``from_config`` on the CPU, the others on meta) and
     the helper and mesh ``FSDPEngine`` makes; ``on_meta`` builds rank 0 on meta too."""
@@ -29,6 +29,8 @@ def _areal_build(ckpt: str, rank: int, on_meta: bool) -> tuple[Any, Any, Any, An
     from transformers import AutoConfig, AutoModelForCausalLM
 
     cfg = AutoConfig.from_pretrained(ckpt)
+    if untie:
+        cfg.tie_word_embeddings = False
     tc = TrainEngineConfig(experiment_name="streamload", trial_name="test", path=ckpt)
     tc.fsdp.memory_efficient_load = True
     helper = ParallelHelper.from_parallel_strategy(FSDPParallelStrategy(data_parallel_size=dist.get_world_size()))
@@ -95,12 +97,12 @@ def case_areal(rank: int, world: int, *, ckpt: str, loader: str) -> dict:
 
 
 def case_areal_tie_flag(rank: int, world: int, *, ckpt: str) -> str:
-    """``tie_word_embeddings=True`` for a model that was untied before sharding: a
+    """``tie_word_embeddings=True`` for a model built untied (its config says so): a
     TieError on every rank, before the load."""
     from areal.engine.fsdp_utils.parallel import parallelize_model
 
-    model, cfg, tc, helper, _ = _areal_build(ckpt, rank, on_meta=True)
-    model.lm_head.weight = torch.nn.Parameter(torch.empty_like(model.lm_head.weight))
+    model, cfg, tc, helper, _ = _areal_build(ckpt, rank, on_meta=True, untie=True)
+    assert model.lm_head.weight is not model.model.embed_tokens.weight
     parallelize_model(
         model, config=tc, model_config=cfg, nd_device_mesh=helper.world_mesh, parallel_helper=helper
     )

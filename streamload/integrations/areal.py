@@ -20,6 +20,7 @@ from ..dist.protocol import gather_or_raise
 from ..errors import TieError
 from ..io.checkpoint import Checkpoint
 from ..load.source import resolve_device, resolve_group
+from ..model.state import record_state
 from ..report import LoadReport
 from .frameworks import fsdp2_load_full_state_dict as _verl_load
 
@@ -38,29 +39,34 @@ def model_mesh(model: nn.Module) -> Any:
 
 
 def _check_tie_flag(model: nn.Module, tie_word_embeddings: bool, mesh: Any) -> None:
-    """TieError on every rank when ``tie_word_embeddings`` says tied but the model is not.
+    """TieError on every rank when ``tie_word_embeddings`` says tied but streamload will not tie.
 
-    AReaL re-ties after loading (``model.tie_weights()``); streamload keeps the ties the
-    model was built with and does not re-tie what was never tied, so a flag that
-    disagrees with the model is an error, agreed before any byte moves.
+    AReaL calls ``model.tie_weights()`` after loading; streamload ties what the model
+    ties by identity or declares (transformers' ``_tied_weights_keys`` under its config),
+    the same set ``tie_weights()`` ties. A flag saying tied for a model that neither ties
+    nor declares its output embedding to its input embedding would load the head untied:
+    an error, agreed before any byte moves.
     """
     error: BaseException | None = None
-    if tie_word_embeddings:
-        emb = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
-        head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-        if emb is not None and head is not None and head.weight is not emb.weight:
+    emb = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if tie_word_embeddings and emb is not None and head is not None:
+        names = {id(m): n for n, m in model.named_modules()}
+        emb_name, head_name = f"{names[id(emb)]}.weight", f"{names[id(head)]}.weight"
+        tied = any({emb_name, head_name} <= {g.canonical, *g.aliases} for g in record_state(model).ties)
+        if not tied:
             error = TieError(
-                "tie_word_embeddings=True but the output embedding is not the input embedding's "
-                "Parameter: tie the model (model.tie_weights()) before fully_shard",
-                tensor="lm_head.weight",
+                "tie_word_embeddings=True but the model neither ties nor declares its output "
+                f"embedding to '{emb_name}' (config.tie_word_embeddings is "
+                f"{getattr(getattr(model, 'config', None), 'tie_word_embeddings', None)})",
+                tensor=head_name,
             )
     group = resolve_group(None, mesh)
     if group is None:
         if error is not None:
             raise error
         return
-    rank = dist.get_rank()
-    gather_or_raise(None, error, rank, group, resolve_device(model, mesh, group))
+    gather_or_raise(None, error, dist.get_rank(), group, resolve_device(model, mesh, group))
 
 
 def fsdp2_load_full_state_dict(
@@ -86,8 +92,9 @@ def fsdp2_load_full_state_dict(
             ``streamload.Checkpoint`` or ``Checkpoint.lazy(path)``; ignored elsewhere.
         cpu_offload: AReaL's ``CPUOffloadPolicy`` or None: when given, parameters end on
             the CPU and buffers on the device.
-        tie_word_embeddings: AReaL's flag. Ties are recorded from the model itself and
-            kept on every rank; a flag saying tied for a model that is not is a
+        tie_word_embeddings: AReaL's flag. Ties are recorded from the model itself (by
+            identity and transformers' declarations) and kept on every rank; a flag saying
+            tied for a model that neither ties nor declares the head to the embedding is a
             ``TieError`` on every rank before the load.
 
     Returns:
