@@ -117,8 +117,11 @@ def case_areal_tie_flag(rank: int, world: int, *, ckpt: str) -> str:
 
 # -- accelerate -------------------------------------------------------------------------------
 def _accelerate_env(rank: int, world: int) -> None:
-    # What `accelerate launch` / torchrun export; the process group already exists.
+    # What `accelerate launch` (FSDP config) / torchrun export; the process group already exists.
+    # ACCELERATE_USE_FSDP with the plugin's FSDP_CPU_RAM_EFFICIENT_LOADING makes transformers'
+    # from_pretrained read the weights on the main process only.
     os.environ.update(
+        ACCELERATE_USE_FSDP="true",
         RANK=str(rank),
         WORLD_SIZE=str(world),
         LOCAL_RANK=str(rank),

@@ -40,7 +40,8 @@ def group():
 
 def _check(group: RankGroup, ckpt: str, dtype: torch.dtype, tie: bool) -> None:
     for use_streamload in (False, True):
-        for r in group.run(cases.case_accelerate, ckpt=ckpt, use_streamload=use_streamload, dtype=dtype):
+        res = group.run(cases.case_accelerate, ckpt=ckpt, use_streamload=use_streamload, dtype=dtype)
+        for r in res:
             assert r["sharded"] > 0, r  # accelerate really sharded the model
             assert r["streamload_calls"] == int(use_streamload), r
             assert r["bad"] == [] and r["tied"] is tie and r["ref_tied"] is tie, (use_streamload, r)
