@@ -24,7 +24,9 @@ def make_dense(root: str, gb: float) -> str:
     from streamload.tools.synthetic import make_checkpoint, sized_config
 
     cfg = sized_config("qwen2", gb, tie=True)
-    return str(make_checkpoint(Path(root) / f"qwen2_{gb}gb", "qwen2", config=cfg, seed=5, max_shard_size="200MB"))
+    return str(
+        make_checkpoint(Path(root) / f"qwen2_{gb}gb", "qwen2", config=cfg, seed=5, max_shard_size="200MB")
+    )
 
 
 def _spread(values: Sequence[float], fmt: str) -> str:
@@ -64,8 +66,8 @@ def run(client: str, strategies: Sequence[str], dtype: str, argv: Sequence[str] 
                     runs.setdefault((world, s), []).append(r)
                     print(f"# {s} ranks={world} repeat={i}: {r.seconds:.2f} s", flush=True)
         lines = [
-            f"| client | ranks | path | load s, median (min-max) | peak anon rank 0 MiB | "
-            f"peak anon other ranks MiB (max of ranks) | bit-exact | tie held |",
+            "| client | ranks | path | load s, median (min-max) | peak anon rank 0 MiB | "
+            "peak anon other ranks MiB (max of ranks) | bit-exact | tie held |",
             "|---|---|---|---|---|---|---|---|",
         ]
         for (world, s), rs in runs.items():

@@ -15,7 +15,9 @@ import streamload
 
 
 def _fused_experts(model: torch.nn.Module) -> set[str]:
-    return {n for n, _ in model.named_parameters() if ".experts.gate_up_proj" in n or ".experts.down_proj" in n}
+    return {
+        n for n, _ in model.named_parameters() if ".experts.gate_up_proj" in n or ".experts.down_proj" in n
+    }
 
 
 # -- AReaL -----------------------------------------------------------------------------------
@@ -33,7 +35,9 @@ def _areal_build(ckpt: str, rank: int, on_meta: bool, untie: bool = False) -> tu
         cfg.tie_word_embeddings = False
     tc = TrainEngineConfig(experiment_name="streamload", trial_name="test", path=ckpt)
     tc.fsdp.memory_efficient_load = True
-    helper = ParallelHelper.from_parallel_strategy(FSDPParallelStrategy(data_parallel_size=dist.get_world_size()))
+    helper = ParallelHelper.from_parallel_strategy(
+        FSDPParallelStrategy(data_parallel_size=dist.get_world_size())
+    )
     dtype = getattr(torch, tc.optimizer_dtype)  # AReaL's fp32 master weights
     with torch.device("meta" if on_meta or rank != 0 else "cpu"), warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -200,7 +204,9 @@ def case_load_path(rank: int, world: int, *, ckpt: str, readers: str = "src", la
 
     default_shard_fn(model, init_device_mesh("cpu", (world,)))
     src: Any = streamload.Checkpoint.lazy(ckpt) if lazy else ckpt
-    report = streamload.load_checkpoint(model, src if rank == 0 or readers != "src" else None, readers=readers)
+    report = streamload.load_checkpoint(
+        model, src if rank == 0 or readers != "src" else None, readers=readers
+    )
     ref = reference(ckpt, cfg.dtype)
     return {"bad": compare_model(model, ref), "tied": tied(model), "reader": report.reader}
 

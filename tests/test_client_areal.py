@@ -10,7 +10,9 @@ from rank_group import RankGroup
 
 from streamload.tools.synthetic import make_checkpoint
 
-pytest.importorskip("areal.engine.fsdp_utils", reason="AReaL: pip install --no-deps -r .ci/clients-nodeps.txt")
+pytest.importorskip(
+    "areal.engine.fsdp_utils", reason="AReaL: pip install --no-deps -r .ci/clients-nodeps.txt"
+)
 
 
 @pytest.fixture(scope="module")
@@ -34,7 +36,9 @@ def ckpts(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
         ),
         # transformers 5's save_pretrained writes qwen3_moe one tensor per expert.
         "moe": str(
-            make_checkpoint(root / "moe", "qwen3_moe", tie=True, seed=32, num_experts=5, max_shard_size="30KB")
+            make_checkpoint(
+                root / "moe", "qwen3_moe", tie=True, seed=32, num_experts=5, max_shard_size="30KB"
+            )
         ),
     }
 

@@ -31,7 +31,9 @@ def _areal(ckpt: str, dtype: torch.dtype, rank0_on_meta: bool) -> tuple[nn.Modul
     cfg = AutoConfig.from_pretrained(ckpt)
     tc = TrainEngineConfig(experiment_name="bench", trial_name="bench", path=ckpt)
     tc.fsdp.memory_efficient_load = True
-    helper = ParallelHelper.from_parallel_strategy(FSDPParallelStrategy(data_parallel_size=dist.get_world_size()))
+    helper = ParallelHelper.from_parallel_strategy(
+        FSDPParallelStrategy(data_parallel_size=dist.get_world_size())
+    )
     on_meta = rank0_on_meta or dist.get_rank() != 0
     with torch.device("meta" if on_meta else "cpu"), warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -87,7 +89,9 @@ def load_areal_streamload_path(ckpt: str, mesh: Any, dtype: torch.dtype, opts: d
     """The recommended AReaL recipe: every rank on meta, the checkpoint path on rank 0."""
     model, cfg, tc, helper = _areal(ckpt, dtype, rank0_on_meta=True)
     _areal_shard(model, cfg, tc, helper)
-    areal_entry(model, ckpt if dist.get_rank() == 0 else {}, None, tie_word_embeddings=cfg.tie_word_embeddings)
+    areal_entry(
+        model, ckpt if dist.get_rank() == 0 else {}, None, tie_word_embeddings=cfg.tie_word_embeddings
+    )
     return model
 
 
