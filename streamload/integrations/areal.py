@@ -48,10 +48,14 @@ def _check_tie_flag(model: nn.Module, tie_word_embeddings: bool, mesh: Any) -> N
     an error, agreed before any byte moves.
     """
     error: BaseException | None = None
-    emb = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
-    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    if tie_word_embeddings and emb is not None and head is not None:
-        names = {id(m): n for n, m in model.named_modules()}
+    get_emb, get_head = (
+        getattr(model, "get_input_embeddings", None),
+        getattr(model, "get_output_embeddings", None),
+    )
+    emb = get_emb() if callable(get_emb) else None
+    head = get_head() if callable(get_head) else None
+    names = {id(m): n for n, m in model.named_modules()}
+    if tie_word_embeddings and id(emb) in names and id(head) in names:
         emb_name, head_name = f"{names[id(emb)]}.weight", f"{names[id(head)]}.weight"
         tied = any({emb_name, head_name} <= {g.canonical, *g.aliases} for g in record_state(model).ties)
         if not tied:
