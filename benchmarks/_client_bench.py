@@ -48,7 +48,8 @@ def run(client: str, strategies: Sequence[str], dtype: str, argv: Sequence[str] 
     from streamload.tools.bench.runner import run_strategy
 
     p = argparse.ArgumentParser(description=__doc__)
-    p.add_argument("--gb", type=float, default=0.2, help="checkpoint size (bf16 on disk)")
+    # sized_config's smallest qwen2 (1 layer, hidden 2048, vocab 32000) is 0.35 GB.
+    p.add_argument("--gb", type=float, default=0.35, help="checkpoint size (bf16 on disk), at least 0.35")
     p.add_argument("--ranks", type=int, nargs="+", default=[2, 4])
     p.add_argument("--repeat", type=int, default=3)
     p.add_argument("--ckpt", default=None, help="an existing checkpoint instead of a generated one")
@@ -78,6 +79,7 @@ def run(client: str, strategies: Sequence[str], dtype: str, argv: Sequence[str] 
                 f"{_spread(rank0, '{:.0f}')} | {_spread(others, '{:.0f}')} | "
                 f"{'yes' if rs[0].correct else 'no: ' + ', '.join(rs[0].mismatched[:3])} | {rs[0].tie_held} |"
             )
-    print(f"\n{client}: {Path(ckpt).name}, dtype {dtype}, medians of {args.repeat} (min-max)\n")
+        size = sum(f.stat().st_size for f in Path(ckpt).glob("*.safetensors")) / 1e9
+    print(f"\n{client}: qwen2, {size:.2f} GB on disk, dtype {dtype}, medians of {args.repeat} (min-max)\n")
     print("\n".join(lines))
     return lines

@@ -2,7 +2,7 @@
 streamload's entry at its load call site, side by side: load time, peak anonymous memory
 per rank, bit-exact.
 
-    python benchmarks/client_accelerate.py --gb 0.2 --ranks 2 4 --repeat 3
+    python benchmarks/client_accelerate.py --gb 0.35 --ranks 2 4 --repeat 3
 
 Timed from ``from_pretrained`` (under the plugin) to the end of ``Accelerator.prepare``.
 """

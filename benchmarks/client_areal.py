@@ -1,7 +1,7 @@
 """AReaL 1.0.4's own load (FSDPEngine, fsdp.memory_efficient_load) against streamload
 swapped in, side by side: load time, peak anonymous memory per rank, bit-exact.
 
-    python benchmarks/client_areal.py --gb 0.2 --ranks 2 4 --repeat 3
+    python benchmarks/client_areal.py --gb 0.35 --ranks 2 4 --repeat 3
 
 Rows: ``areal_own`` (rank 0 from_config + load_state_dict + state_dict, parallelize_model,
 AReaL's set_model_state_dict broadcast), ``areal_streamload`` (the same with streamload's
