@@ -139,7 +139,7 @@ def test_file_truncated_while_open(tmp_path: Path) -> None:
         ckpt.read("b")
 
 
-# A file symlink ("link.safetensors") is followed, as the hub cache needs: tests/test_hub_cache.py.
+# A file symlink ("link.safetensors") is followed, as the hub cache needs: tests/test_checkpoint_sources.py.
 @pytest.mark.parametrize(
     "entry", ["../x.safetensors", "/etc/x.safetensors", "sub/../../x.safetensors", "out/x.safetensors"]
 )

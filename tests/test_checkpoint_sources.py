@@ -1,6 +1,11 @@
-"""Checkpoints in the Hugging Face hub cache layout (``snapshots/<rev>/<file> ->
-../../blobs/<hash>``) load bit-exact; index names that leave the directory, directory
-links leading out and links to non-regular files are still refused."""
+"""Checkpoints where recipes find them, on 2 gloo ranks (one group for the module).
+
+The Hugging Face hub cache layout (``snapshots/<rev>/<file> -> ../../blobs/<hash>``)
+loads bit-exact; index names that leave the directory, directory links leading out and
+links to non-regular files are still refused. Recipes that give rank 0 a checkpoint pass
+a path or ``Checkpoint.lazy(path)``, opened inside streamload's agreement, so a missing
+or corrupt checkpoint is the same named error on every rank (never rank 0 alone while the
+others wait)."""
 
 from __future__ import annotations
 
@@ -121,3 +126,34 @@ def test_hub_index_names_leaving_the_snapshot_are_refused(hub: dict[str, str], e
     index.write_text(json.dumps(data))
     with pytest.raises(streamload.UnsafePathError):
         streamload.Checkpoint(snap)
+
+
+# -- lazy sources ------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def lazy_ckpts(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    root = tmp_path_factory.mktemp("lazy")
+    good = make_checkpoint(root / "good", "qwen2", tie=True, seed=61, layers=1, vocab=64)
+    bad = make_checkpoint(root / "bad", "qwen2", tie=True, seed=61, layers=1, vocab=64)
+    shard = next(bad.glob("*.safetensors"))
+    os.truncate(shard, 8 + 10)  # the header now claims more than the file holds
+    return {"good": str(good), "corrupt": str(bad), "missing": str(root / "nothing")}
+
+
+def test_lazy_opens_nothing_until_loaded(lazy_ckpts: dict[str, str]) -> None:
+    lazy = streamload.Checkpoint.lazy(lazy_ckpts["missing"])  # no error here: nothing is opened
+    assert os.fspath(lazy) == lazy_ckpts["missing"] and isinstance(lazy, os.PathLike)
+    opened = streamload.Checkpoint.lazy(lazy_ckpts["good"], mode="pread").open(mode="mmap")
+    assert opened.read_mode == "pread" and Path(opened.path) == Path(lazy_ckpts["good"])
+
+
+@pytest.mark.parametrize("recipe", ["path", "lazy"])
+@pytest.mark.parametrize(("which", "error"), [("missing", "CheckpointError"), ("corrupt", "HeaderError")])
+def test_bad_checkpoint_is_a_named_error_on_every_rank(
+    group: RankGroup, lazy_ckpts: dict[str, str], recipe: str, which: str, error: str
+) -> None:
+    assert group.run(cases.case_lazy_error, ckpt=lazy_ckpts[which], recipe=recipe, timeout=120) == [error] * 2
+
+
+def test_lazy_loads_bit_exact(group: RankGroup, lazy_ckpts: dict[str, str]) -> None:
+    for r in group.run(cases.case_load_path, ckpt=lazy_ckpts["good"], lazy=True, timeout=120):
+        assert r["bad"] == [] and r["tied"] is True, r
