@@ -48,29 +48,37 @@ def _check_tie_flag(model: nn.Module, tie_word_embeddings: bool, mesh: Any) -> N
     an error, agreed before any byte moves.
     """
     error: BaseException | None = None
-    get_emb, get_head = (
-        getattr(model, "get_input_embeddings", None),
-        getattr(model, "get_output_embeddings", None),
-    )
-    emb = get_emb() if callable(get_emb) else None
-    head = get_head() if callable(get_head) else None
-    names = {id(m): n for n, m in model.named_modules()}
-    if tie_word_embeddings and id(emb) in names and id(head) in names:
-        emb_name, head_name = f"{names[id(emb)]}.weight", f"{names[id(head)]}.weight"
-        tied = any({emb_name, head_name} <= {g.canonical, *g.aliases} for g in record_state(model).ties)
-        if not tied:
-            error = TieError(
-                "tie_word_embeddings=True but the model neither ties nor declares its output "
-                f"embedding to '{emb_name}' (config.tie_word_embeddings is "
-                f"{getattr(getattr(model, 'config', None), 'tie_word_embeddings', None)})",
-                tensor=head_name,
-            )
+    try:
+        if tie_word_embeddings:
+            error = _tie_flag_error(model)
+    except Exception as exc:  # noqa: BLE001 - a model's own helper failing: agreed, not a hang
+        error = exc
     group = resolve_group(None, mesh)
     if group is None:
         if error is not None:
             raise error
         return
     gather_or_raise(None, error, dist.get_rank(), group, resolve_device(model, mesh, group))
+
+
+def _tie_flag_error(model: nn.Module) -> TieError | None:
+    """The TieError for a model whose output embedding is neither tied nor declared tied."""
+    get_emb = getattr(model, "get_input_embeddings", None)
+    get_head = getattr(model, "get_output_embeddings", None)
+    emb = get_emb() if callable(get_emb) else None
+    head = get_head() if callable(get_head) else None
+    names = {id(m): n for n, m in model.named_modules()}
+    if id(emb) not in names or id(head) not in names:
+        return None
+    emb_name, head_name = f"{names[id(emb)]}.weight", f"{names[id(head)]}.weight"
+    if any({emb_name, head_name} <= {g.canonical, *g.aliases} for g in record_state(model).ties):
+        return None
+    return TieError(
+        "tie_word_embeddings=True but the model neither ties nor declares its output "
+        f"embedding to '{emb_name}' (config.tie_word_embeddings is "
+        f"{getattr(getattr(model, 'config', None), 'tie_word_embeddings', None)})",
+        tensor=head_name,
+    )
 
 
 def fsdp2_load_full_state_dict(
