@@ -4,15 +4,18 @@ CPU ranks, bit for bit against transformers' ``from_pretrained``."""
 
 from __future__ import annotations
 
+import importlib.util
+
 import cases_clients as cases
 import pytest
 from rank_group import RankGroup
 
 from streamload.tools.synthetic import make_checkpoint
 
-pytest.importorskip(
-    "areal.engine.fsdp_utils", reason="AReaL: pip install --no-deps -r .ci/clients-nodeps.txt"
-)
+# Only the rank processes import AReaL: importing it reconfigures logging process-wide (the
+# "streamload" logger's records stop reaching pytest's caplog in later test modules).
+if importlib.util.find_spec("areal") is None:
+    pytest.skip("AReaL: pip install --no-deps -r .ci/clients-nodeps.txt", allow_module_level=True)
 
 
 @pytest.fixture(scope="module")
