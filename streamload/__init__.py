@@ -20,9 +20,11 @@ from .errors import (
     TieError,
     UnsafePathError,
 )
+from .integrations.accelerate_fsdp import fsdp2_load_full_state_dict as accelerate_fsdp2_load_full_state_dict
+from .integrations.areal import fsdp2_load_full_state_dict as areal_fsdp2_load_full_state_dict
 from .integrations.frameworks import fsdp2_load_full_state_dict
 from .integrations.pretrained import from_pretrained
-from .io.checkpoint import Checkpoint, TensorInfo
+from .io.checkpoint import Checkpoint, LazyCheckpoint, TensorInfo
 from .load.driver import load_checkpoint
 from .report import LoadReport
 
@@ -37,6 +39,7 @@ __all__ = [
     "DTypeMismatchError",
     "HeaderError",
     "KeyMismatchError",
+    "LazyCheckpoint",
     "MappingError",
     "LoadReport",
     "ModelMismatchError",
@@ -49,6 +52,8 @@ __all__ = [
     "TieError",
     "UnsafePathError",
     "__version__",
+    "accelerate_fsdp2_load_full_state_dict",
+    "areal_fsdp2_load_full_state_dict",
     "from_pretrained",
     "fsdp2_load_full_state_dict",
     "load_checkpoint",

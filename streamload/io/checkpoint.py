@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import stat
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -14,6 +15,7 @@ import torch
 
 from ..errors import (
     CheckpointError,
+    CheckpointFileError,
     CheckpointIndexError,
     DTypeMismatchError,
     TensorNotFoundError,
@@ -73,7 +75,14 @@ class TensorInfo:
 
 
 def _safe_member(root: Path, name: str, where: str) -> Path:
-    """Resolves ``name`` inside ``root`` or raises UnsafePathError."""
+    """Resolves ``name`` inside ``root`` or raises UnsafePathError.
+
+    The name itself must stay inside the directory (not absolute, no ``..``, no
+    directory on the way that is a symlink leading out), but the file it names may be a
+    symlink to anywhere: the Hugging Face hub cache keeps ``snapshots/<rev>/<file>`` as
+    links to ``../../blobs/<hash>``, and transformers loads them. The target must be a
+    regular file (``_regular_file``).
+    """
     if not name or os.path.isabs(name) or name.startswith(("/", "\\")):
         raise UnsafePathError(f"absolute or empty path {name!r} in {where}", str(root / INDEX_NAME))
     parts = Path(name).parts
@@ -83,13 +92,31 @@ def _safe_member(root: Path, name: str, where: str) -> Path:
         )
     candidate = root / name
     real_root = root.resolve()
-    real = candidate.resolve()
-    if real != real_root and real_root not in real.parents:
+    real_dir = candidate.parent.resolve()
+    if real_dir != real_root and real_root not in real_dir.parents:
         raise UnsafePathError(
-            f"path {name!r} in {where} resolves to {real}, outside the checkpoint directory (symlink?)",
+            f"path {name!r} in {where} lies in {real_dir}, outside the checkpoint directory "
+            "(a directory symlink?)",
             str(candidate),
         )
+    _regular_file(candidate)
     return candidate
+
+
+def _regular_file(path: Path) -> None:
+    """Raises CheckpointFileError unless ``path`` (after symlinks) is a regular file.
+
+    Checked before anything opens it: opening a FIFO blocks until a writer comes (a hang,
+    not an error), and a device or directory is no checkpoint.
+    """
+    try:
+        st = path.stat()  # follows symlinks: the target is what will be read
+    except OSError as exc:
+        what = "a dangling symlink" if path.is_symlink() else "missing"
+        raise CheckpointFileError(f"checkpoint file is {what}: {exc.strerror}", str(path)) from None
+    if not stat.S_ISREG(st.st_mode):
+        target = f" (a symlink to {path.resolve()})" if path.is_symlink() else ""
+        raise CheckpointFileError(f"not a regular file{target}", str(path))
 
 
 def resolve_files(path: str | os.PathLike) -> tuple[list[Path], dict[str, str] | None]:
@@ -107,7 +134,8 @@ def resolve_files(path: str | os.PathLike) -> tuple[list[Path], dict[str, str] |
     if not root.is_dir():
         raise CheckpointError("no such checkpoint file or directory", str(root))
     index_path = root / INDEX_NAME
-    if index_path.exists():
+    if index_path.exists() or index_path.is_symlink():
+        _regular_file(index_path)  # the hub cache links it to a blob too
         try:
             index = json.loads(index_path.read_text())
             weight_map = index["weight_map"]
@@ -202,6 +230,34 @@ class Checkpoint:
                     raise CheckpointIndexError(
                         f"the index maps it to {fname}, which does not hold it", str(self.path / fname), name
                     )
+
+    @staticmethod
+    def lazy(
+        path: str | os.PathLike,
+        mode: str | None = None,
+        threads: int | None = None,
+        drop_cache: bool | None = None,
+    ) -> LazyCheckpoint:
+        """A checkpoint that streamload opens inside its agreement, not here.
+
+        ``Checkpoint(path)`` opens the files at once: built on rank 0 before the load, a
+        missing or corrupt checkpoint raises on rank 0 alone while the other ranks wait in
+        the load's first collective. The lazy handle opens nothing until the loader does,
+        on the reader rank, inside the agreement, so the failure is a named error on every
+        rank. Any argument left None takes the loader's own setting.
+
+        Args:
+            path: as ``Checkpoint``.
+            mode, threads, drop_cache: as ``Checkpoint``; None: the loader's.
+
+        Returns:
+            A path-like handle: pass it wherever streamload takes a checkpoint path.
+
+        Example:
+            >>> full_state = streamload.Checkpoint.lazy(path) if rank == 0 else {}
+            >>> streamload.fsdp2_load_full_state_dict(model, full_state, mesh)
+        """
+        return LazyCheckpoint(path, mode, threads, drop_cache)
 
     # -- table ---------------------------------------------------------------
     def __contains__(self, name: object) -> bool:
@@ -333,6 +389,48 @@ class Checkpoint:
             f.check_unchanged()
 
 
+class LazyCheckpoint(os.PathLike):
+    """A checkpoint path plus how to open it; opened by the loader (``Checkpoint.lazy``).
+
+    It is a path (``os.fspath`` gives the directory), so every reader mode, the file
+    identity check and ``from_pretrained``'s config read treat it as one.
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike,
+        mode: str | None = None,
+        threads: int | None = None,
+        drop_cache: bool | None = None,
+    ) -> None:
+        self.path = os.fspath(path)
+        self.mode = mode
+        self.threads = threads
+        self.drop_cache = drop_cache
+
+    def __fspath__(self) -> str:
+        return self.path
+
+    def __repr__(self) -> str:
+        return f"Checkpoint.lazy({self.path!r}, mode={self.mode!r})"
+
+    def open(self, mode: str = "auto", threads: int | None = None, drop_cache: bool = False) -> Checkpoint:
+        """Opens it: the handle's own settings win over the loader's (the arguments).
+
+        Args:
+            mode, threads, drop_cache: the loader's settings.
+
+        Returns:
+            The open Checkpoint.
+        """
+        return Checkpoint(
+            self.path,
+            mode=self.mode or mode,
+            threads=self.threads if self.threads is not None else threads,
+            drop_cache=self.drop_cache if self.drop_cache is not None else drop_cache,
+        )
+
+
 def _normalize_box(box: RegionSpec, info: TensorInfo) -> tuple[list[int], list[int]]:
     if len(box) != len(info.shape):
         raise CheckpointError(f"box has {len(box)} dims, tensor has {len(info.shape)}", info.file, info.name)
@@ -351,4 +449,4 @@ def _normalize_box(box: RegionSpec, info: TensorInfo) -> tuple[list[int], list[i
     return starts, sizes
 
 
-__all__ = ["INDEX_NAME", "ITEMSIZE", "Checkpoint", "TensorInfo", "resolve_files"]
+__all__ = ["INDEX_NAME", "ITEMSIZE", "Checkpoint", "LazyCheckpoint", "TensorInfo", "resolve_files"]

@@ -10,7 +10,7 @@ import torch
 
 from ..errors import DTypeMismatchError, TensorNotFoundError
 from . import _native
-from .checkpoint import Checkpoint, TensorInfo
+from .checkpoint import Checkpoint, LazyCheckpoint, TensorInfo
 from .copy_ops import ST_DTYPES
 
 STATE_DICT = "<state_dict>"
@@ -100,10 +100,12 @@ Source = Checkpoint | StateDictSource
 def as_source(
     obj: object, read_mode: str = "auto", threads: int | None = None, drop_cache: bool = False
 ) -> Source:
-    """A path, Checkpoint or dict of tensors as a packing source (``read_mode`` and
+    """A path, Checkpoint, lazy checkpoint or dict of tensors as a packing source (``read_mode`` and
     ``drop_cache``: see ``Checkpoint``)."""
     if isinstance(obj, (Checkpoint, StateDictSource)):
         return obj
     if isinstance(obj, Mapping):
         return StateDictSource(obj, threads)
+    if isinstance(obj, LazyCheckpoint):
+        return obj.open(read_mode, threads, drop_cache)
     return Checkpoint(obj, mode=read_mode, threads=threads, drop_cache=drop_cache)  # type: ignore[arg-type]

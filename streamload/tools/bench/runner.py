@@ -61,7 +61,10 @@ class MemorySampler:
 
     def __init__(self, pids: list[int]) -> None:
         self.pids = pids
-        self.baseline = anon_bytes(pids)
+        # Each rank's own baseline and peak too: a client's rank 0 and its receivers differ.
+        self.rank_baseline = [anon_bytes([p]) for p in pids]
+        self.rank_peak = list(self.rank_baseline)
+        self.baseline = sum(self.rank_baseline)
         self.peak = self.baseline
         self.system_baseline = anon_bytes()
         self.system_peak = self.system_baseline
@@ -73,7 +76,9 @@ class MemorySampler:
 
     def _run(self) -> None:
         while not self._stop.is_set():
-            v = anon_bytes(self.pids)
+            each = [anon_bytes([p]) for p in self.pids]
+            self.rank_peak = [max(a, b) for a, b in zip(self.rank_peak, each, strict=True)]
+            v = sum(each)
             self.peak = max(self.peak, v)
             self.system_peak = max(self.system_peak, anon_bytes())
             self.timeline.append((time.perf_counter() - self._t0, v - self.baseline))
@@ -102,6 +107,7 @@ class RunResult:
     # every parameter (what a first optimizer step writes): the cost to training.
     first_step_seconds: float = 0.0
     peak_rss: list[int] = field(default_factory=list)
+    peak_anon_per_rank: list[int] = field(default_factory=list)  # each rank's, over its baseline
     bytes_moved: int = 0
     gbps: float = 0.0
     correct: bool | None = None
@@ -224,6 +230,9 @@ def _worker(rank: int, world: int, init_file: str, commands: Any, results: Any) 
         from transformers import AutoConfig, AutoModelForCausalLM
 
         AutoModelForCausalLM._model_mapping[type(AutoConfig.from_pretrained(ckpt))]
+        warmup = getattr(STRATEGIES[strategy], "warmup", None)  # e.g. a client's own imports
+        if warmup is not None:
+            warmup()
         gc.collect()
         _trim()
         results.put(("ready", {"rank": rank}))
@@ -370,6 +379,9 @@ class BenchGroup:
             res.touch_seconds = max(t["touch_seconds"] for t in timed)
             res.first_step_seconds = max(t["first_step_seconds"] for t in timed)
             res.peak_anon_over_baseline = sampler.peak - sampler.baseline
+            res.peak_anon_per_rank = [
+                p - b for p, b in zip(sampler.rank_peak, sampler.rank_baseline, strict=True)
+            ]
             res.system_anon_over_baseline = sampler.system_peak - sampler.system_baseline
             anon_shards = res.shard_bytes - res.file_backed_shard_bytes
             res.overhead_bytes = res.peak_anon_over_baseline - anon_shards

@@ -227,3 +227,8 @@ STRATEGIES: dict[str, Callable[[str, Any, torch.dtype, dict[str, Any]], nn.Modul
     "hf_native": load_hf_native,
     "fastsafetensors": load_fastsafetensors,
 }
+
+# Real clients' own load code (AReaL, accelerate) and the same with streamload swapped in.
+from .clients import CLIENT_STRATEGIES  # noqa: E402 - clients.py needs nothing from here
+
+STRATEGIES.update(CLIENT_STRATEGIES)
