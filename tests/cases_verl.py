@@ -18,6 +18,7 @@ from torch import nn
 
 import streamload
 from streamload.errors import TieError
+from streamload.integrations.verl import offload_policy
 from streamload.io.copy_ops import bit_view as bits
 
 
@@ -84,6 +85,10 @@ def _engine(ckpt: str, mesh: Any, dtype: torch.dtype, offload: bool) -> Any:
     )
 
 
+# What verl's apply_fsdp2 was handed in the last build on this rank (meta? tied?).
+SEEN: dict[str, Any] = {}
+
+
 @contextlib.contextmanager
 def verl_build(
     *, loader: Callable[..., Any] | None, meta_everywhere: bool, tie_before_shard: bool
@@ -91,23 +96,30 @@ def verl_build(
     """Patches the names ``transformer_impl`` looks up, as a user's diff of verl would:
     ``loader`` replaces ``fsdp2_load_full_state_dict`` (None: verl's own); ``meta_everywhere``
     drops the tie guard (``use_meta_tensor=True`` for tied models too); ``tie_before_shard``
-    calls ``model.tie_weights()`` before ``apply_fsdp2``."""
+    calls ``model.tie_weights()`` before ``apply_fsdp2``; ``CPUOffloadPolicy`` pins only where
+    torch can (``streamload.integrations.verl.offload_policy``)."""
     from verl.workers.engine.fsdp import transformer_impl as impl
 
-    saved = {k: getattr(impl, k) for k in ("fsdp2_load_full_state_dict", "get_init_weight_context_manager", "apply_fsdp2")}
+    saved = {
+        k: getattr(impl, k)
+        for k in ("fsdp2_load_full_state_dict", "get_init_weight_context_manager", "apply_fsdp2", "CPUOffloadPolicy")
+    }
+    # verl hard-codes CPUOffloadPolicy(pin_memory=True); pinning needs an accelerator.
+    impl.CPUOffloadPolicy = lambda pin_memory=True: offload_policy(pin_memory)
     if loader is not None:
         impl.fsdp2_load_full_state_dict = loader
     if meta_everywhere:
         impl.get_init_weight_context_manager = lambda use_meta_tensor=True, mesh=None: saved[
             "get_init_weight_context_manager"
         ](use_meta_tensor=True, mesh=mesh)
-    if tie_before_shard:
 
-        def apply_fsdp2(model: nn.Module, fsdp_kwargs: dict, config: Any) -> None:
+    def apply_fsdp2(model: nn.Module, fsdp_kwargs: dict, config: Any) -> None:
+        SEEN.update(meta=any(p.is_meta for p in model.parameters()), tied_before=tied(model))
+        if tie_before_shard:
             model.tie_weights()
-            saved["apply_fsdp2"](model, fsdp_kwargs, config)
+        saved["apply_fsdp2"](model, fsdp_kwargs, config)
 
-        impl.apply_fsdp2 = apply_fsdp2
+    impl.apply_fsdp2 = apply_fsdp2
     try:
         yield
     finally:
@@ -183,53 +195,184 @@ def _all_ranks_tied(model: nn.Module) -> list[Any]:
     return gathered
 
 
+def _swapped(reports: list[Any], **kw: Any) -> Callable[..., None]:
+    """streamload's fsdp2_load_full_state_dict where verl calls its own (same positional call)."""
+
+    def loader(model: nn.Module, full_state: Any, mesh: Any, cpu_offload: Any) -> None:
+        reports.append(streamload.fsdp2_load_full_state_dict(model, full_state, mesh, cpu_offload, **kw))
+
+    return loader
+
+
 def case_engine_bit_exact(
-    rank: int, world: int, *, ckpt: str, dtype: torch.dtype, meta_everywhere: bool, step: bool = True
+    rank: int,
+    world: int,
+    *,
+    ckpt: str,
+    dtype: torch.dtype,
+    meta_everywhere: bool,
+    offload: bool = False,
+    step: bool = True,
 ) -> dict:
     """verl's own build and load vs the same build with streamload's loader swapped in
     (verl's tie guard kept, or meta init everywhere with ``tie_weights()`` before sharding):
     every parameter and buffer bit for bit, the tie on every rank, one training step."""
-    ref_model = build_engine_model(ckpt, verl_mesh(), dtype)
+    ref_model = build_engine_model(ckpt, verl_mesh(), dtype, offload=offload)
     ref = snapshot(ref_model)
     vocab = ref_model.config.vocab_size
     ref_step = train_step(ref_model, vocab) if step else {}
     ref_tied = _all_ranks_tied(ref_model)
     del ref_model
     reports: list[Any] = []
-
-    def loader(model: nn.Module, full_state: Any, mesh: Any, cpu_offload: Any) -> None:
-        reports.append(streamload.fsdp2_load_full_state_dict(model, full_state, mesh, cpu_offload))
-
     model = build_engine_model(
-        ckpt, verl_mesh(), dtype, loader=loader, meta_everywhere=meta_everywhere, tie_before_shard=meta_everywhere
+        ckpt,
+        verl_mesh(),
+        dtype,
+        loader=_swapped(reports),
+        meta_everywhere=meta_everywhere,
+        tie_before_shard=meta_everywhere,
+        offload=offload,
     )
+    seen = dict(SEEN)
     assert len(reports) == 1
     got = snapshot(model)
     bad = differ(got, ref)
     assert not bad, f"streamload differs from verl's own load: {bad[:10]}"
-    # And both equal transformers' from_pretrained for the same files and dtype.
-    bad = compare_model(model, reference(ckpt, dtype))
+    # And both equal transformers' from_pretrained for the same files and dtype (parameters:
+    # verl's module.to(dtype) also casts the rotary buffers, which transformers keeps fp32).
+    bad = [b for b in compare_model(model, reference(ckpt, dtype)) if not b.startswith("buffer ")]
     assert not bad, bad
     got_tied = _all_ranks_tied(model)
     assert got_tied == ref_tied, (got_tied, ref_tied)
+    if offload:
+        assert all(p.to_local().device.type == "cpu" for p in model.parameters())
     if step:
         mine = train_step(model, vocab)
         bad = differ(mine, ref_step)
         assert not bad, f"training step differs from verl's own: {bad[:10]}"
-    return {"rank": rank, "tied": got_tied[rank], "report": reports[0].to_dict()}
+    return {"rank": rank, "tied": got_tied[rank], "seen": seen, "report": reports[0].to_dict()}
 
 
-def case_meta_untied_raises(rank: int, world: int, *, ckpt: str, dtype: torch.dtype) -> dict:
+def case_meta_untied(rank: int, world: int, *, ckpt: str, dtype: torch.dtype, check: bool = True) -> dict:
     """Meta init everywhere without ``tie_weights()``: ranks >= 1 shard an untied
-    ``lm_head.weight`` as its own FSDP parameter; streamload must raise TieError on every
-    rank before any byte moves, naming the parameter and the ranks."""
+    ``lm_head.weight`` as its own FSDP parameter. With the check, TieError on every rank
+    before any byte moves; with it disabled (``check=False``), the load "succeeds" while the
+    ranks' FSDP parameter sets differ (what the check exists for)."""
+    from streamload.load import prepare as prepare_mod
+    from streamload.model.fsdp_ties import fsdp_groups
+
     reports: list[Any] = []
+    handed: list[Any] = []
+    swapped = _swapped(reports)
 
-    def loader(model: nn.Module, full_state: Any, mesh: Any, cpu_offload: Any) -> None:
-        reports.append(streamload.fsdp2_load_full_state_dict(model, full_state, mesh, cpu_offload))
+    def loader(model: nn.Module, *args: Any) -> None:
+        handed.append(fsdp_groups(model))  # what fully_shard took, before the load re-ties anything
+        swapped(model, *args)
 
+    saved = prepare_mod.agree_ties
+    if not check:
+        prepare_mod.agree_ties = lambda *a, **k: None  # type: ignore[assignment]
     try:
-        build_engine_model(ckpt, verl_mesh(), dtype, loader=loader, meta_everywhere=True)
+        model = build_engine_model(ckpt, verl_mesh(), dtype, loader=loader, meta_everywhere=True)
+    except TieError as exc:
+        return {"rank": rank, "error": str(exc), "tensor": exc.tensor, "seen": dict(SEEN), "loaded": bool(reports)}
+    finally:
+        prepare_mod.agree_ties = saved
+    groups: list[Any] = [None] * world
+    dist.all_gather_object(groups, handed[0])
+    return {"rank": rank, "error": None, "seen": dict(SEEN), "tied": tied(model), "groups": groups}
+
+
+def case_buffers_kwarg(rank: int, world: int, *, ckpt: str, dtype: torch.dtype, bad: str = "") -> dict:
+    """Newer verl's ``buffers=``: rank 0's values end up in every rank's buffers (each rank's
+    inv_freq is recomputed by the load; rank 0 passes different values to prove which wins);
+    ``bad`` ("name", "shape", "dtype") makes rank 0's mapping wrong: the same error on every rank."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(ckpt)
+    reports: list[Any] = []
+    name = "model.rotary_emb.inv_freq"
+    buffers: dict[str, torch.Tensor] = {}
+    if rank == 0:
+        dim = config.hidden_size // config.num_attention_heads
+        value = torch.arange(dim // 2, dtype=torch.float32) * 0.125 + 1.0
+        if bad == "shape":
+            value = value[:-1]
+        if bad == "dtype":
+            value = value.double()
+        buffers = {("model.rotary_emb.nonexistent" if bad == "name" else name): value}
+    try:
+        model = build_engine_model(ckpt, verl_mesh(), dtype, loader=_swapped(reports, buffers=buffers))
+    except streamload.StreamloadError as exc:
+        return {"rank": rank, "error": type(exc).__name__, "loaded": bool(reports)}
+    got = dict(model.named_buffers())[name]
+    gathered: list[Any] = [None] * world
+    dist.all_gather_object(gathered, got.cpu())
+    return {"rank": rank, "error": None, "values": gathered}
+
+
+def case_pinning_needs_accelerator(rank: int, world: int) -> dict:
+    """torch's fact that ``offload_policy`` relies on: without an accelerator, verl's
+    ``fully_shard(..., offload_policy=CPUOffloadPolicy(pin_memory=True))`` raises in torch;
+    ``pin_memory=False`` shards. Fails loudly if a torch release changes either."""
+    from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
+
+    if torch.accelerator.is_available():
+        return {"rank": rank, "skipped": True}
+    raised = None
+    try:
+        fully_shard(nn.Linear(4, 6), mesh=verl_mesh(), offload_policy=CPUOffloadPolicy(pin_memory=True))
+    except RuntimeError as exc:
+        raised = str(exc)
+    layer = fully_shard(nn.Linear(4, 6), mesh=verl_mesh(), offload_policy=offload_policy())
+    return {"rank": rank, "raised": raised, "pinned": offload_policy().pin_memory, "sharded": type(layer).__name__}
+
+
+def _meta_qwen(ckpt: str, untie: bool) -> nn.Module:
+    from accelerate import init_empty_weights
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(ckpt)
+    with init_empty_weights():
+        model = AutoModelForCausalLM.from_config(config)
+    # accelerate's init_empty_weights leaves the head untied (its register_parameter hook
+    # re-wraps it): tie_weights() outside the context ties it, as the fixed recipes do.
+    if not untie:
+        model.tie_weights()
+    assert tied(model) is not untie
+    return model
+
+
+def case_plain_untied_everywhere(rank: int, world: int, *, ckpt: str) -> dict:
+    """Every rank shards an untied alias (no verl involved): the ranks agree, yet FSDP holds
+    ``lm_head.weight`` apart, so re-binding after the load would be undone at the first forward:
+    TieError on every rank, naming every rank."""
+    from torch.distributed.fsdp import fully_shard
+
+    model = _meta_qwen(ckpt, untie=True)
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=verl_mesh())
+    fully_shard(model, mesh=verl_mesh())
+    try:
+        streamload.load_checkpoint(model, ckpt, device_mesh=verl_mesh(), progress=False)
     except TieError as exc:
         return {"rank": rank, "error": str(exc), "tensor": exc.tensor}
-    raise AssertionError(f"rank {rank}: no TieError (loaded: {bool(reports)})")
+    return {"rank": rank, "error": None}
+
+
+def case_wrap_differs(rank: int, world: int, *, ckpt: str) -> dict:
+    """Ranks that wrap different modules (rank 0 also shards the norm on its own) agree on
+    names and placements but not on FSDP's parameter groups: TieError on every rank."""
+    from torch.distributed.fsdp import fully_shard
+
+    model = _meta_qwen(ckpt, untie=False)
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=verl_mesh())
+    if rank == 0:
+        fully_shard(model.model.norm, mesh=verl_mesh())
+    fully_shard(model, mesh=verl_mesh())
+    try:
+        streamload.load_checkpoint(model, ckpt, device_mesh=verl_mesh(), progress=False)
+    except TieError as exc:
+        return {"rank": rank, "error": str(exc), "tensor": exc.tensor}
+    return {"rank": rank, "error": None}

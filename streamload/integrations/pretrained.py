@@ -40,6 +40,10 @@ def default_shard_fn(model: nn.Module, mesh: Any) -> None:
     (embedding and head) stay in the root group, so the tie is one parameter."""
     from torch.distributed.fsdp import fully_shard
 
+    # A model built under accelerate's init_empty_weights comes back untied (its
+    # register_parameter hook re-wraps the head): tie first, or FSDP would manage
+    # the head as a parameter of its own, which no load can re-tie (a TieError).
+    rebind_ties(model, record_state(model).ties)
     for block in repeated_blocks(model):
         fully_shard(block, mesh=mesh)
     fully_shard(model, mesh=mesh)
