@@ -5,10 +5,7 @@ verl's loader or streamload's swapped in, compared bit for bit."""
 
 from __future__ import annotations
 
-import contextlib
-import warnings
-from collections.abc import Callable, Iterator
-from types import SimpleNamespace
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -20,147 +17,7 @@ import streamload
 from streamload.errors import TieError
 from streamload.integrations.verl import offload_policy
 from streamload.io.copy_ops import bit_view as bits
-
-
-def use_cpu_platform() -> None:
-    """verl has no CPU platform: its ``get_device_id()`` asks CUDA. Registers one
-    through verl's own plugin hook (``set_platform``), so verl's functions run on CPU ranks."""
-    from verl.plugin.platform import platform_manager
-    from verl.plugin.platform.platform_cuda import PlatformCUDA
-
-    if getattr(platform_manager._current_platform, "device_name", None) == "cpu":
-        return
-
-    class PlatformCPU(PlatformCUDA):
-        device_name = "cpu"  # type: ignore[assignment]
-        device_module = torch.cpu  # type: ignore[assignment]
-
-        def is_available(self) -> bool:
-            return True
-
-        def current_device(self) -> Any:  # verl moves models to get_device_id()
-            return "cpu"
-
-        def synchronize(self, device_index: int | None = None) -> None:
-            return None
-
-    platform_manager.set_platform(PlatformCPU())
-
-
-def _engine(ckpt: str, mesh: Any, dtype: torch.dtype, offload: bool) -> Any:
-    """The attributes ``FSDPEngine._build_module`` / ``_build_fsdp_module`` read, as verl's
-    default FSDP2 actor config sets them (fp32 masters, bf16 compute, fp32 reduce)."""
-    from transformers import AutoConfig
-
-    precision = {torch.float32: "fp32", torch.bfloat16: "bf16"}[dtype]
-    engine_config = SimpleNamespace(
-        model_dtype=precision,
-        forward_only=False,
-        mixed_precision=None,
-        wrap_policy={},
-        strategy="fsdp2",
-        offload_policy=offload,
-        reshard_after_forward=True,
-        forward_prefetch=False,
-        get=lambda key, default=None: {"wrap_policy": {}}.get(key, default),
-    )
-    model_config = SimpleNamespace(
-        hf_config=AutoConfig.from_pretrained(ckpt),
-        model_type="language_model",
-        local_path=ckpt,
-        trust_remote_code=False,
-        use_liger=False,
-        fused_kernel_options=None,
-        use_fused_kernels=False,
-        enable_gradient_checkpointing=False,
-        lora_rank=0,
-        enable_activation_offload=False,
-    )
-    return SimpleNamespace(
-        engine_config=engine_config,
-        model_config=model_config,
-        device_mesh=mesh,
-        use_remove_padding=False,
-        ulysses_sequence_parallel_size=1,
-    )
-
-
-# What verl's apply_fsdp2 was handed in the last build on this rank (meta? tied?).
-SEEN: dict[str, Any] = {}
-
-
-@contextlib.contextmanager
-def verl_build(
-    *, loader: Callable[..., Any] | None, meta_everywhere: bool, tie_before_shard: bool
-) -> Iterator[None]:
-    """Patches the names ``transformer_impl`` looks up, as a user's diff of verl would:
-    ``loader`` replaces ``fsdp2_load_full_state_dict`` (None: verl's own); ``meta_everywhere``
-    drops the tie guard (``use_meta_tensor=True`` for tied models too); ``tie_before_shard``
-    calls ``model.tie_weights()`` before ``apply_fsdp2``; ``CPUOffloadPolicy`` pins only where
-    torch can (``streamload.integrations.verl.offload_policy``)."""
-    from verl.workers.engine.fsdp import transformer_impl as impl
-
-    saved = {
-        k: getattr(impl, k)
-        for k in ("fsdp2_load_full_state_dict", "get_init_weight_context_manager", "apply_fsdp2", "CPUOffloadPolicy")
-    }
-    # verl hard-codes CPUOffloadPolicy(pin_memory=True); pinning needs an accelerator.
-    impl.CPUOffloadPolicy = lambda pin_memory=True: offload_policy(pin_memory)
-    if loader is not None:
-        impl.fsdp2_load_full_state_dict = loader
-    if meta_everywhere:
-        impl.get_init_weight_context_manager = lambda use_meta_tensor=True, mesh=None: saved[
-            "get_init_weight_context_manager"
-        ](use_meta_tensor=True, mesh=mesh)
-
-    def apply_fsdp2(model: nn.Module, fsdp_kwargs: dict, config: Any) -> None:
-        SEEN.update(meta=any(p.is_meta for p in model.parameters()), tied_before=tied(model))
-        if tie_before_shard:
-            model.tie_weights()
-        saved["apply_fsdp2"](model, fsdp_kwargs, config)
-
-    impl.apply_fsdp2 = apply_fsdp2
-    try:
-        yield
-    finally:
-        for k, v in saved.items():
-            setattr(impl, k, v)
-
-
-_MESH: dict[int, Any] = {}
-
-
-def verl_mesh() -> Any:
-    """The 1-D mesh verl's ``create_device_mesh`` makes for plain FSDP (dim "fsdp"), once per process."""
-    from torch.distributed.device_mesh import init_device_mesh
-
-    world = dist.get_world_size()
-    if world not in _MESH:
-        _MESH[world] = init_device_mesh("cpu", (world,), mesh_dim_names=("fsdp",))
-    return _MESH[world]
-
-
-def build_engine_model(
-    ckpt: str,
-    mesh: Any,
-    dtype: torch.dtype,
-    *,
-    loader: Callable[..., Any] | None = None,
-    meta_everywhere: bool = False,
-    tie_before_shard: bool = False,
-    offload: bool = False,
-) -> nn.Module:
-    """verl's ``FSDPEngine._build_module`` then ``_build_fsdp_module``, verl's own code."""
-    use_cpu_platform()
-    from verl.workers.engine.fsdp.transformer_impl import FSDPEngine
-
-    engine = _engine(ckpt, mesh, dtype, offload)
-    with verl_build(loader=loader, meta_everywhere=meta_everywhere, tie_before_shard=tie_before_shard):
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            module = FSDPEngine._build_module(engine)
-            module = FSDPEngine._build_fsdp_module(engine, module)
-    return module
+from streamload.tools.verl_engine import SEEN, build_engine_model, verl_mesh
 
 
 def snapshot(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -275,7 +132,13 @@ def case_meta_untied(rank: int, world: int, *, ckpt: str, dtype: torch.dtype, ch
     try:
         model = build_engine_model(ckpt, verl_mesh(), dtype, loader=loader, meta_everywhere=True)
     except TieError as exc:
-        return {"rank": rank, "error": str(exc), "tensor": exc.tensor, "seen": dict(SEEN), "loaded": bool(reports)}
+        return {
+            "rank": rank,
+            "error": str(exc),
+            "tensor": exc.tensor,
+            "seen": dict(SEEN),
+            "loaded": bool(reports),
+        }
     finally:
         prepare_mod.agree_ties = saved
     groups: list[Any] = [None] * world
@@ -325,7 +188,12 @@ def case_pinning_needs_accelerator(rank: int, world: int) -> dict:
     except RuntimeError as exc:
         raised = str(exc)
     layer = fully_shard(nn.Linear(4, 6), mesh=verl_mesh(), offload_policy=offload_policy())
-    return {"rank": rank, "raised": raised, "pinned": offload_policy().pin_memory, "sharded": type(layer).__name__}
+    return {
+        "rank": rank,
+        "raised": raised,
+        "pinned": offload_policy().pin_memory,
+        "sharded": type(layer).__name__,
+    }
 
 
 def _meta_qwen(ckpt: str, untie: bool) -> nn.Module:

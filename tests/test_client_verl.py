@@ -22,10 +22,18 @@ SMALL = dict(vocab=97, hidden_size=24, intermediate_size=40, num_attention_heads
 def ckpts(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     root = tmp_path_factory.mktemp("verl_client")
     return {
-        "tied": str(make_checkpoint(root / "tied", "qwen2", tie=True, seed=31, layers=2, max_shard_size="16KB", **SMALL)),
+        "tied": str(
+            make_checkpoint(
+                root / "tied", "qwen2", tie=True, seed=31, layers=2, max_shard_size="16KB", **SMALL
+            )
+        ),
         "untied": str(make_checkpoint(root / "untied", "qwen2", tie=False, seed=32, layers=2, **SMALL)),
         # transformers saves MoE experts one tensor per expert; the model fuses them.
-        "moe": str(make_checkpoint(root / "moe", "qwen3_moe", tie=True, seed=33, num_experts=5, max_shard_size="30KB")),
+        "moe": str(
+            make_checkpoint(
+                root / "moe", "qwen3_moe", tie=True, seed=33, num_experts=5, max_shard_size="30KB"
+            )
+        ),
     }
 
 
@@ -70,7 +78,9 @@ def test_without_the_check_ranks_shard_different_parameters(group2: RankGroup, c
     # The check disabled: the load "succeeds" and the head looks tied on every rank, yet FSDP
     # manages lm_head.weight on its own on rank 1 only (the first forward would all-gather
     # different sizes). This is what the TieError above stands for.
-    res = group2.run(cases.case_meta_untied, ckpt=ckpts["tied"], dtype=torch.float32, check=False, timeout=120)
+    res = group2.run(
+        cases.case_meta_untied, ckpt=ckpts["tied"], dtype=torch.float32, check=False, timeout=120
+    )
     assert all(r["error"] is None and r["tied"] for r in res)
     groups = res[0]["groups"]
     assert ("", ("lm_head.weight", "model.embed_tokens.weight")) in groups[0]
@@ -89,8 +99,14 @@ def test_buffers_kwarg(group2: RankGroup, ckpts) -> None:
     want = torch.arange(3, dtype=torch.float32) * 0.125 + 1.0
     for r in res:
         assert all(torch.equal(v, want) for v in r["values"]), r
-    for bad, error in (("name", "KeyMismatchError"), ("shape", "ShapeMismatchError"), ("dtype", "DTypeMismatchError")):
-        res = group2.run(cases.case_buffers_kwarg, ckpt=ckpts["tied"], dtype=torch.float32, bad=bad, timeout=120)
+    for bad, error in (
+        ("name", "KeyMismatchError"),
+        ("shape", "ShapeMismatchError"),
+        ("dtype", "DTypeMismatchError"),
+    ):
+        res = group2.run(
+            cases.case_buffers_kwarg, ckpt=ckpts["tied"], dtype=torch.float32, bad=bad, timeout=120
+        )
         assert [r["error"] for r in res] == [error, error] and not any(r["loaded"] for r in res), res
 
 
@@ -98,7 +114,11 @@ def test_cpu_offload(group2: RankGroup, ckpts) -> None:
     for r in group2.run(cases.case_pinning_needs_accelerator):
         assert r.get("skipped") or (r["raised"] and not r["pinned"] and r["sharded"].startswith("FSDP")), r
     res = group2.run(
-        cases.case_engine_bit_exact, ckpt=ckpts["tied"], dtype=torch.float32, meta_everywhere=True, offload=True
+        cases.case_engine_bit_exact,
+        ckpt=ckpts["tied"],
+        dtype=torch.float32,
+        meta_everywhere=True,
+        offload=True,
     )
     _check_tied_run(res, True)
 
@@ -108,7 +128,11 @@ def test_cpu_offload(group2: RankGroup, ckpts) -> None:
 @pytest.mark.parametrize("meta_everywhere", [False, True], ids=["guard_kept", "meta_everywhere"])
 def test_engine_4_ranks(group4: RankGroup, ckpts, dtype: torch.dtype, meta_everywhere: bool) -> None:
     res = group4.run(
-        cases.case_engine_bit_exact, ckpt=ckpts["tied"], dtype=dtype, meta_everywhere=meta_everywhere, timeout=240
+        cases.case_engine_bit_exact,
+        ckpt=ckpts["tied"],
+        dtype=dtype,
+        meta_everywhere=meta_everywhere,
+        timeout=240,
     )
     _check_tied_run(res, meta_everywhere)
 
@@ -116,19 +140,31 @@ def test_engine_4_ranks(group4: RankGroup, ckpts, dtype: torch.dtype, meta_every
 @pytest.mark.slow
 def test_engine_4_ranks_untied_offload_and_tie_error(group4: RankGroup, ckpts) -> None:
     res = group4.run(
-        cases.case_engine_bit_exact, ckpt=ckpts["untied"], dtype=torch.float32, meta_everywhere=False, offload=True
+        cases.case_engine_bit_exact,
+        ckpt=ckpts["untied"],
+        dtype=torch.float32,
+        meta_everywhere=False,
+        offload=True,
     )
     assert not any(r["tied"] for r in res)
     res = group4.run(cases.case_meta_untied, ckpt=ckpts["tied"], dtype=torch.float32, timeout=120)
-    assert all(r["tensor"] == "lm_head.weight" and "group ranks [1, 2, 3] of 4" in r["error"] for r in res), res
+    assert all(r["tensor"] == "lm_head.weight" and "group ranks [1, 2, 3] of 4" in r["error"] for r in res), (
+        res
+    )
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("ws", [2, 4])
 @pytest.mark.parametrize("meta_everywhere", [False, True], ids=["guard_kept", "meta_everywhere"])
-def test_engine_moe_per_expert(group2: RankGroup, group4: RankGroup, ckpts, ws: int, meta_everywhere: bool) -> None:
+def test_engine_moe_per_expert(
+    group2: RankGroup, group4: RankGroup, ckpts, ws: int, meta_everywhere: bool
+) -> None:
     group = group2 if ws == 2 else group4
     res = group.run(
-        cases.case_engine_bit_exact, ckpt=ckpts["moe"], dtype=torch.float32, meta_everywhere=meta_everywhere, timeout=240
+        cases.case_engine_bit_exact,
+        ckpt=ckpts["moe"],
+        dtype=torch.float32,
+        meta_everywhere=meta_everywhere,
+        timeout=240,
     )
     _check_tied_run(res, meta_everywhere)

@@ -100,11 +100,14 @@ def _check(model: nn.Module, buffers: Mapping[str, torch.Tensor]) -> list[str]:
         value, buf = buffers[name], held[name]
         if tuple(value.shape) != tuple(buf.shape):
             raise ShapeMismatchError(
-                f"buffers= value has shape {list(value.shape)}, the model's buffer {list(buf.shape)}", tensor=name
+                f"buffers= value has shape {list(value.shape)}, the model's buffer {list(buf.shape)}",
+                tensor=name,
             )
         if value.dtype != buf.dtype:
             # A cast could round: a buffer takes the caller's bytes or nothing.
-            raise DTypeMismatchError(f"buffers= value is {value.dtype}, the model's buffer {buf.dtype}", tensor=name)
+            raise DTypeMismatchError(
+                f"buffers= value is {value.dtype}, the model's buffer {buf.dtype}", tensor=name
+            )
     return sorted(buffers)
 
 
