@@ -33,17 +33,26 @@ def differ(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> list[str]:
 
 
 def train_step(model: nn.Module, vocab: int, seed: int = 0) -> dict[str, torch.Tensor]:
-    """One forward + backward + AdamW step on the same batch on every rank; returns the
-    loss, the full gradients (before the step) and the full parameters after it."""
+    """One forward + backward + verl's ``fsdp2_clip_grad_norm_`` + AdamW step on the same batch on
+    every rank; returns the loss, the grad norm, the full gradients (before the step) and the full
+    parameters after it."""
+    from verl.utils.fsdp_utils import fsdp2_clip_grad_norm_
+
     gen = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, vocab, (2, 7), generator=gen)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     out = model(input_ids=ids, labels=ids)
     out.loss.backward()
     grads = {f"grad {n}": bits(full(p.grad)).cpu().clone() for n, p in model.named_parameters()}
+    norm = fsdp2_clip_grad_norm_(model.parameters(), max_norm=1.0)
     opt.step()
     after = {f"step {n}": bits(full(p)).cpu().clone() for n, p in model.named_parameters()}
-    return {"loss": bits(out.loss.detach().float().reshape(1)).clone(), **grads, **after}
+    return {
+        "loss": bits(out.loss.detach().float().reshape(1)).clone(),
+        "grad norm": bits(full(norm).detach().float().reshape(1)).clone(),
+        **grads,
+        **after,
+    }
 
 
 def _all_ranks_tied(model: nn.Module) -> list[Any]:
