@@ -220,36 +220,29 @@ def _meta_qwen(ckpt: str, untie: bool) -> nn.Module:
     return model
 
 
-def case_plain_untied_everywhere(rank: int, world: int, *, ckpt: str) -> dict:
-    """Every rank shards an untied alias (no verl involved): the ranks agree, yet FSDP holds
-    ``lm_head.weight`` apart, so re-binding after the load would be undone at the first forward:
-    TieError on every rank, naming every rank."""
+def _shard_and_load(model: nn.Module, ckpt: str, also: nn.Module | None = None) -> dict:
+    """fully_shard every layer (and ``also``, when given), then the root; load; the TieError, if any."""
     from torch.distributed.fsdp import fully_shard
 
-    model = _meta_qwen(ckpt, untie=True)
-    for layer in model.model.layers:
-        fully_shard(layer, mesh=verl_mesh())
+    for module in [*model.model.layers, *([also] if also is not None else [])]:
+        fully_shard(module, mesh=verl_mesh())
     fully_shard(model, mesh=verl_mesh())
     try:
         streamload.load_checkpoint(model, ckpt, device_mesh=verl_mesh(), progress=False)
     except TieError as exc:
-        return {"rank": rank, "error": str(exc), "tensor": exc.tensor}
-    return {"rank": rank, "error": None}
+        return {"rank": dist.get_rank(), "error": str(exc), "tensor": exc.tensor}
+    return {"rank": dist.get_rank(), "error": None}
+
+
+def case_plain_untied_everywhere(rank: int, world: int, *, ckpt: str) -> dict:
+    """Every rank shards an untied alias (no verl involved): the ranks agree, yet FSDP holds
+    ``lm_head.weight`` apart, so re-binding after the load would be undone at the first forward:
+    TieError on every rank, naming every rank."""
+    return _shard_and_load(_meta_qwen(ckpt, untie=True), ckpt)
 
 
 def case_wrap_differs(rank: int, world: int, *, ckpt: str) -> dict:
     """Ranks that wrap different modules (rank 0 also shards the norm on its own) agree on
     names and placements but not on FSDP's parameter groups: TieError on every rank."""
-    from torch.distributed.fsdp import fully_shard
-
     model = _meta_qwen(ckpt, untie=False)
-    for layer in model.model.layers:
-        fully_shard(layer, mesh=verl_mesh())
-    if rank == 0:
-        fully_shard(model.model.norm, mesh=verl_mesh())
-    fully_shard(model, mesh=verl_mesh())
-    try:
-        streamload.load_checkpoint(model, ckpt, device_mesh=verl_mesh(), progress=False)
-    except TieError as exc:
-        return {"rank": rank, "error": str(exc), "tensor": exc.tensor}
-    return {"rank": rank, "error": None}
+    return _shard_and_load(model, ckpt, also=model.model.norm if rank == 0 else None)

@@ -9,7 +9,7 @@ import contextlib
 import warnings
 from collections.abc import Callable, Iterator
 from types import SimpleNamespace
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -56,42 +56,41 @@ def use_cpu_platform() -> None:
     platform_manager.set_platform(PlatformCPU())
 
 
+# What FSDPEngine._build_module / _build_fsdp_module read from verl's configs, as verl's default
+# FSDP2 actor sets them (bf16 compute, fp32 reduce; no LoRA, liger, fused kernels or checkpointing).
+_ENGINE_CONFIG: dict[str, Any] = {
+    "forward_only": False,
+    "mixed_precision": None,
+    "wrap_policy": {},
+    "strategy": "fsdp2",
+    "reshard_after_forward": True,
+    "forward_prefetch": False,
+}
+_MODEL_CONFIG: dict[str, Any] = {
+    "model_type": "language_model",
+    "trust_remote_code": False,
+    "use_liger": False,
+    "fused_kernel_options": None,
+    "use_fused_kernels": False,
+    "enable_gradient_checkpointing": False,
+    "lora_rank": 0,
+    "enable_activation_offload": False,
+}
+
+
 def _engine(ckpt: str, mesh: Any, dtype: torch.dtype, offload: bool) -> Any:
-    """The attributes ``FSDPEngine._build_module`` / ``_build_fsdp_module`` read, as verl's
-    default FSDP2 actor config sets them (fp32 masters, bf16 compute, fp32 reduce)."""
+    """A stand-in ``self`` for ``FSDPEngine._build_module`` / ``_build_fsdp_module``: the attributes
+    they read, ``model_dtype`` (verl's default: fp32 masters) and ``offload_policy`` as asked."""
     from transformers import AutoConfig
 
     precision = {torch.float32: "fp32", torch.bfloat16: "bf16"}[dtype]
-    engine_config = SimpleNamespace(
-        model_dtype=precision,
-        forward_only=False,
-        mixed_precision=None,
-        wrap_policy={},
-        strategy="fsdp2",
-        offload_policy=offload,
-        reshard_after_forward=True,
-        forward_prefetch=False,
-        get=lambda key, default=None: {"wrap_policy": {}}.get(key, default),
-    )
+    engine_config = SimpleNamespace(**_ENGINE_CONFIG, model_dtype=precision, offload_policy=offload)
+    engine_config.get = lambda key, default=None: {"wrap_policy": {}}.get(key, default)
     model_config = SimpleNamespace(
-        hf_config=AutoConfig.from_pretrained(ckpt),
-        model_type="language_model",
-        local_path=ckpt,
-        trust_remote_code=False,
-        use_liger=False,
-        fused_kernel_options=None,
-        use_fused_kernels=False,
-        enable_gradient_checkpointing=False,
-        lora_rank=0,
-        enable_activation_offload=False,
+        **_MODEL_CONFIG, hf_config=AutoConfig.from_pretrained(ckpt), local_path=ckpt
     )
-    return SimpleNamespace(
-        engine_config=engine_config,
-        model_config=model_config,
-        device_mesh=mesh,
-        use_remove_padding=False,
-        ulysses_sequence_parallel_size=1,
-    )
+    parts = {"engine_config": engine_config, "model_config": model_config, "device_mesh": mesh}
+    return SimpleNamespace(**parts, use_remove_padding=False, ulysses_sequence_parallel_size=1)
 
 
 # What verl's apply_fsdp2 was handed in the last build on this rank (meta? tied?).
@@ -116,22 +115,27 @@ def verl_build(
             "CPUOffloadPolicy",
         )
     }
-    # verl hard-codes CPUOffloadPolicy(pin_memory=True); pinning needs an accelerator.
-    impl.CPUOffloadPolicy = lambda pin_memory=True: offload_policy(pin_memory)
-    if loader is not None:
-        impl.fsdp2_load_full_state_dict = loader
-    if meta_everywhere:
-        impl.get_init_weight_context_manager = lambda use_meta_tensor=True, mesh=None: saved[
-            "get_init_weight_context_manager"
-        ](use_meta_tensor=True, mesh=mesh)
+    original_init = saved["get_init_weight_context_manager"]
 
     def apply_fsdp2(model: nn.Module, fsdp_kwargs: dict, config: Any) -> None:
         SEEN.update(meta=any(p.is_meta for p in model.parameters()), tied_before=tied(model))
         if tie_before_shard:
-            model.tie_weights()
+            cast(Any, model).tie_weights()
         saved["apply_fsdp2"](model, fsdp_kwargs, config)
 
-    impl.apply_fsdp2 = apply_fsdp2
+    patched: dict[str, Any] = {
+        # verl hard-codes CPUOffloadPolicy(pin_memory=True); pinning needs an accelerator.
+        "CPUOffloadPolicy": lambda pin_memory=True: offload_policy(pin_memory),
+        "apply_fsdp2": apply_fsdp2,
+    }
+    if loader is not None:
+        patched["fsdp2_load_full_state_dict"] = loader
+    if meta_everywhere:
+        patched["get_init_weight_context_manager"] = lambda use_meta_tensor=True, mesh=None: original_init(
+            use_meta_tensor=True, mesh=mesh
+        )
+    for k, v in patched.items():
+        setattr(impl, k, v)
     try:
         yield
     finally:
