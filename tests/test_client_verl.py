@@ -168,3 +168,27 @@ def test_engine_moe_per_expert(
         timeout=240,
     )
     _check_tied_run(res, meta_everywhere)
+
+
+@pytest.mark.slow
+def test_engine_3_ranks_uneven() -> None:
+    # An odd world: FSDP's Shard(0) pads every dim-0 shard unevenly (97-row vocabulary, 24-wide layers).
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as root:
+        ckpt = str(make_checkpoint(f"{root}/tied", "qwen2", tie=True, seed=34, layers=2, **SMALL))
+        group = RankGroup(3)
+        try:
+            for meta_everywhere in (False, True):
+                res = group.run(
+                    cases.case_engine_bit_exact,
+                    ckpt=ckpt,
+                    dtype=torch.float32,
+                    meta_everywhere=meta_everywhere,
+                    timeout=240,
+                )
+                _check_tied_run(res, meta_everywhere)
+            res = group.run(cases.case_meta_untied, ckpt=ckpt, dtype=torch.float32, timeout=120)
+            assert all("group ranks [1, 2] of 3" in r["error"] for r in res), res
+        finally:
+            group.close()
