@@ -13,6 +13,7 @@ from cases_load import MISSING_PATH, compare_model, reference, tied
 from torch import nn
 
 import streamload
+from streamload.model.state import rebind_ties, record_state
 
 
 def _meta_model(ckpt: str) -> nn.Module:
@@ -87,6 +88,10 @@ def case_tp_fsdp(rank: int, world: int, *, ckpt: str, readers: str, experts_on: 
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
     model = _meta_model(ckpt)
     parallelize_module(model, mesh["tp"], tp_plan(model))
+    # parallelize_module distributes each module's weight apart, so a tied head becomes its own
+    # DTensor (the same Shard(0) over "tp" as the embedding's): tie again before fully_shard, or
+    # FSDP manages it as a parameter of its own that no load can re-tie (TieError).
+    rebind_ties(model, record_state(model).ties)
     experts = shard_experts(model, mesh, experts_on)
     for layer in model.model.layers:
         fully_shard(layer, mesh=mesh["dp"])

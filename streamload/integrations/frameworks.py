@@ -11,7 +11,9 @@ from torch import nn
 
 from ..io.checkpoint import Checkpoint
 from ..load.driver import load_checkpoint
+from ..load.source import resolve_device, resolve_group
 from ..report import LoadReport
+from .verl import agree_buffers, install_buffers
 
 
 def fsdp2_load_full_state_dict(
@@ -19,6 +21,7 @@ def fsdp2_load_full_state_dict(
     full_state: Mapping[str, torch.Tensor] | Checkpoint | Any,
     device_mesh: Any = None,
     cpu_offload: Any = None,
+    buffers: Mapping[str, torch.Tensor] | None = None,
 ) -> LoadReport:
     """verl's ``fsdp2_load_full_state_dict``, streamed.
 
@@ -36,6 +39,9 @@ def fsdp2_load_full_state_dict(
         device_mesh: the model's mesh (for the device type and group).
         cpu_offload: as verl: when not None, parameters move to the CPU
             afterwards while buffers stay on the device.
+        buffers: newer verl's keyword: on rank 0, buffer name -> value; after the load every
+            rank's buffer holds rank 0's value (names, shapes and dtypes are checked on every
+            rank before any weight moves; see ``integrations.verl``).
 
     Returns:
         The LoadReport (verl ignores the return value).
@@ -45,7 +51,10 @@ def fsdp2_load_full_state_dict(
     """
     rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
     source = full_state if rank == 0 else None
+    wire = resolve_device(model, device_mesh, resolve_group(None, device_mesh))
+    names = agree_buffers(model, buffers if rank == 0 else None, device_mesh, wire)
     report = load_checkpoint(model, source, device_mesh=device_mesh, strict=True, progress=False)
+    install_buffers(model, buffers, names, device_mesh)
     if cpu_offload is not None:
         offload_parameters(model)
     return report

@@ -40,7 +40,19 @@ def default_shard_fn(model: nn.Module, mesh: Any) -> None:
     (embedding and head) stay in the root group, so the tie is one parameter."""
     from torch.distributed.fsdp import fully_shard
 
+    # A model built under accelerate's init_empty_weights comes back untied (its
+    # register_parameter hook re-wraps the head): tie first, or FSDP would manage
+    # the head as a parameter of its own, which no load can re-tie (a TieError).
+    ties = record_state(model).ties
+    rebind_ties(model, ties)
+    names = {id(m): n for n, m in model.named_modules()}
     for block in repeated_blocks(model):
+        # A block holding one end of a tie (BERT's embeddings are in its _no_split_modules)
+        # stays in the root group: fully_shard re-registers a parameter only inside the
+        # block, so the head outside would become a second FSDP parameter (a TieError).
+        prefix = names[id(block)] + "."
+        if any(len({n.startswith(prefix) for n in (g.canonical, *g.aliases)}) > 1 for g in ties):
+            continue
         fully_shard(block, mesh=mesh)
     fully_shard(model, mesh=mesh)
 

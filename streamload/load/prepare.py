@@ -22,6 +22,7 @@ from ..errors import KeyMismatchError, PlacementError
 from ..io.checkpoint import Checkpoint
 from ..io.copy_ops import worker_threads
 from ..io.sources import Source, as_source
+from ..model.fsdp_ties import agree_ties, tie_layout
 from ..model.layouts import check_placements
 from ..model.mapped import MappedShards, map_shards
 from ..model.missing import fill_uncovered, snapshot_real
@@ -228,6 +229,8 @@ def prepare(
     rank = dist.get_rank() if group is not None else 0
     device = resolve_device(model, options.device_mesh, group)
     state = record_state(model)
+    # As the caller sharded it: materialising and re-binding below would hide an untied alias.
+    ties_here = tie_layout(model, state.ties)
     src_rank = options.src_rank
     if opened is None:
         opened = open_source(
@@ -260,7 +263,9 @@ def prepare(
         error = exc
     # One short digest per rank, not every rank's placements: each rank derives the
     # placements it plans for from the specs it holds itself.
-    digests = gather_or_raise(local.digest, error, rank, group, device)
+    gathered = gather_or_raise((local.digest, ties_here), error, rank, group, device)
+    digests = [d for d, _ in gathered]
+    agree_ties([t for _, t in gathered], model, rank, group, device)
     if len(set(digests)) > 1:
         differ = [r for r, d in enumerate(digests) if d != digests[0]]
         raise PlacementError(

@@ -215,7 +215,7 @@ def _worker(rank: int, world: int, init_file: str, commands: Any, results: Any) 
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
-    from .strategies import STRATEGIES
+    from .strategies import strategy_fn
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
@@ -226,7 +226,9 @@ def _worker(rank: int, world: int, init_file: str, commands: Any, results: Any) 
             break
         strategy, ckpt, dtype_name, opts = cmd
         dtype = getattr(torch, dtype_name)
-        # Import cost is not load cost: import the model's modeling module now.
+        # Import cost is not load cost: import the model's modeling module now
+        # (and a client strategy's module, which imports its framework).
+        load = strategy_fn(strategy)
         from transformers import AutoConfig, AutoModelForCausalLM
 
         AutoModelForCausalLM._model_mapping[type(AutoConfig.from_pretrained(ckpt))]
@@ -240,7 +242,7 @@ def _worker(rank: int, world: int, init_file: str, commands: Any, results: Any) 
         model = None
         try:
             t0 = time.perf_counter()
-            model = STRATEGIES[strategy](ckpt, mesh, dtype, opts)
+            model = load(ckpt, mesh, dtype, opts)
             dist.barrier()
             out: dict[str, Any] = {"rank": rank, "seconds": time.perf_counter() - t0}
             out["peak_rss"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024

@@ -6,6 +6,7 @@ transformers."""
 
 from __future__ import annotations
 
+import importlib
 import os
 import typing
 import warnings
@@ -232,3 +233,23 @@ STRATEGIES: dict[str, Callable[[str, Any, torch.dtype, dict[str, Any]], nn.Modul
 from .clients import CLIENT_STRATEGIES  # noqa: E402 - clients.py needs nothing from here
 
 STRATEGIES.update(CLIENT_STRATEGIES)
+
+def strategy_fn(name: str) -> Callable[[str, Any, torch.dtype, dict[str, Any]], nn.Module]:
+    """A strategy by name: a built-in one, or ``"package.module:function"`` (a client's benchmark
+    brings its own, e.g. ``streamload.tools.verl_engine:bench_verl_own``).
+
+    Args:
+        name: a key of ``STRATEGIES`` or an import path with a colon.
+
+    Returns:
+        The strategy function.
+
+    Example:
+        >>> strategy_fn("streamload")
+    """
+    if name in STRATEGIES:
+        return STRATEGIES[name]
+    module, sep, attr = name.partition(":")
+    if not sep:
+        raise KeyError(f"unknown strategy {name!r}: one of {sorted(STRATEGIES)} or 'module:function'")
+    return typing.cast(Any, getattr(importlib.import_module(module), attr))
