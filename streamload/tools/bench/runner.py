@@ -232,7 +232,7 @@ def _worker(rank: int, world: int, init_file: str, commands: Any, results: Any) 
         from transformers import AutoConfig, AutoModelForCausalLM
 
         AutoModelForCausalLM._model_mapping[type(AutoConfig.from_pretrained(ckpt))]
-        warmup = getattr(STRATEGIES[strategy], "warmup", None)  # e.g. a client's own imports
+        warmup = getattr(load, "warmup", None)  # e.g. a client's own imports
         if warmup is not None:
             warmup()
         gc.collect()

@@ -234,6 +234,7 @@ from .clients import CLIENT_STRATEGIES  # noqa: E402 - clients.py needs nothing 
 
 STRATEGIES.update(CLIENT_STRATEGIES)
 
+
 def strategy_fn(name: str) -> Callable[[str, Any, torch.dtype, dict[str, Any]], nn.Module]:
     """A strategy by name: a built-in one, or ``"package.module:function"`` (a client's benchmark
     brings its own, e.g. ``streamload.tools.verl_engine:bench_verl_own``).
