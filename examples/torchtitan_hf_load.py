@@ -6,6 +6,9 @@ DCP (checkpoint.initial_load_in_hf -> HuggingFaceStorageReader), where every
 rank reads its slices of every file. Here the model is a transformers model
 built the same way and streamload.load_checkpoint does the load: only rank 0
 reads, MoE experts are fused on the fly, ties and buffers are restored.
+torchtitan's own model classes load with `load_checkpoint(model, path,
+mapping=sd_adapter)`: see docs/clients/torchtitan.md and
+tests/test_client_torchtitan.py.
 
     torchrun --nproc-per-node 2 examples/torchtitan_hf_load.py --model-type qwen3_moe
 """
