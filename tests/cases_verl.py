@@ -61,6 +61,29 @@ def _all_ranks_tied(model: nn.Module) -> list[Any]:
     return gathered
 
 
+class _StrategyCount:
+    """Counts the reader strategies streamload makes (after its agreements, before the first
+    weight byte): an error raised "before any byte moves" must leave the count at 0."""
+
+    def __enter__(self) -> _StrategyCount:
+        from streamload.load import prepare as prepare_mod
+
+        self.made = 0
+        self._saved = prepare_mod.make_strategy
+
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            self.made += 1
+            return self._saved(*args, **kwargs)
+
+        prepare_mod.make_strategy = counted  # type: ignore[assignment]
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        from streamload.load import prepare as prepare_mod
+
+        prepare_mod.make_strategy = self._saved  # type: ignore[assignment]
+
+
 def _swapped(reports: list[Any], **kw: Any) -> Callable[..., None]:
     """streamload's fsdp2_load_full_state_dict where verl calls its own (same positional call)."""
 
@@ -139,14 +162,15 @@ def case_meta_untied(rank: int, world: int, *, ckpt: str, dtype: torch.dtype, ch
     if not check:
         prepare_mod.agree_ties = lambda *a, **k: None  # type: ignore[assignment]
     try:
-        model = build_engine_model(ckpt, verl_mesh(), dtype, loader=loader, meta_everywhere=True)
+        with _StrategyCount() as count:
+            model = build_engine_model(ckpt, verl_mesh(), dtype, loader=loader, meta_everywhere=True)
     except TieError as exc:
         return {
             "rank": rank,
             "error": str(exc),
             "tensor": exc.tensor,
             "seen": dict(SEEN),
-            "loaded": bool(reports),
+            "strategies": count.made,
         }
     finally:
         prepare_mod.agree_ties = saved
@@ -174,9 +198,10 @@ def case_buffers_kwarg(rank: int, world: int, *, ckpt: str, dtype: torch.dtype, 
             value = value.double()
         buffers = {("model.rotary_emb.nonexistent" if bad == "name" else name): value}
     try:
-        model = build_engine_model(ckpt, verl_mesh(), dtype, loader=_swapped(reports, buffers=buffers))
+        with _StrategyCount() as count:
+            model = build_engine_model(ckpt, verl_mesh(), dtype, loader=_swapped(reports, buffers=buffers))
     except streamload.StreamloadError as exc:
-        return {"rank": rank, "error": type(exc).__name__, "loaded": bool(reports)}
+        return {"rank": rank, "error": type(exc).__name__, "strategies": count.made}
     got = dict(model.named_buffers())[name]
     gathered: list[Any] = [None] * world
     dist.all_gather_object(gathered, got.cpu())

@@ -5,11 +5,18 @@ agreement (TieError on every rank, never a hang), ``buffers=`` and CPU offload."
 
 from __future__ import annotations
 
+import importlib.util
+
 import pytest
 import torch
 from rank_group import RankGroup
 
-pytest.importorskip("verl", reason="verl is a client extra: pip install --no-deps -r .ci/clients-nodeps.txt")
+# Skipped only where verl is not installed at all: an installed verl that fails to import (a
+# dependency missing from the clients extra) is an error, never a silent skip.
+if importlib.util.find_spec("verl") is None:
+    pytest.skip(
+        "verl is a client extra: pip install --no-deps -r .ci/clients-nodeps.txt", allow_module_level=True
+    )
 
 import cases_verl as cases  # noqa: E402 - needs verl
 
@@ -69,7 +76,7 @@ def test_engine_tied_bit_exact(group2: RankGroup, ckpts, meta_everywhere: bool) 
 def test_meta_everywhere_without_tie_weights_is_tie_error(group2: RankGroup, ckpts) -> None:
     res = group2.run(cases.case_meta_untied, ckpt=ckpts["tied"], dtype=torch.float32, timeout=120)
     for r in res:
-        assert r["error"] is not None and r["tensor"] == "lm_head.weight" and not r["loaded"], r
+        assert r["error"] is not None and r["tensor"] == "lm_head.weight" and r["strategies"] == 0, r
         assert "group ranks [1] of 2" in r["error"] and "tie_weights()" in r["error"], r["error"]
     assert res[1]["seen"] == {"meta": True, "tied_before": False}
 
@@ -107,7 +114,7 @@ def test_buffers_kwarg(group2: RankGroup, ckpts) -> None:
         res = group2.run(
             cases.case_buffers_kwarg, ckpt=ckpts["tied"], dtype=torch.float32, bad=bad, timeout=120
         )
-        assert [r["error"] for r in res] == [error, error] and not any(r["loaded"] for r in res), res
+        assert [r["error"] for r in res] == [error, error] and all(r["strategies"] == 0 for r in res), res
 
 
 def test_cpu_offload(group2: RankGroup, ckpts) -> None:

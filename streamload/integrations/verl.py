@@ -84,7 +84,9 @@ def agree_buffers(
         except BaseException as exc:  # noqa: BLE001 - reported to every rank, then re-raised
             error = exc
     gathered = gather_or_raise(names, error, rank, group, device)
-    return list(gathered[0])
+    # Global rank 0 holds the values (as verl's loop broadcasts from it); its slot in the
+    # group's all-gather is its group rank.
+    return list(gathered[dist.get_group_rank(group, 0) if group is not None else 0])
 
 
 def _check(model: nn.Module, buffers: Mapping[str, torch.Tensor]) -> list[str]:
