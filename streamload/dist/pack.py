@@ -159,6 +159,7 @@ class Packer:
         self._keep: list[torch.Tensor] = []  # virtual tensors referenced by the pending batch
         # The next bucket's ops, built early for read-ahead: (bucket, slot address, slot bytes, only, ops).
         self._next: tuple[Bucket, int, int, int | None, OpBatch] | None = None
+        self._index: dict[int, int] | None = None  # id(bucket) -> its index in the plan
 
     def _add_segment(
         self,
@@ -216,7 +217,7 @@ class Packer:
                 self._add_segment(batch, seg, slot, seg.wire_dtype, seg_strides, (base + seg.offset) // isz)
         return batch
 
-    def _announce(self, batch: OpBatch) -> bool:
+    def _announce(self, batch: OpBatch, bucket: Bucket) -> bool:
         """Hands ``batch``'s ops to a read-ahead engine (cold reads) before it runs, which
         starts reading them as soon as it has a free buffer; False where it cannot.
 
@@ -227,8 +228,10 @@ class Packer:
         fallbacks = getattr(getattr(self.virtual, "conversion", None), "fallbacks", None)
         if expect is None or self.quant or fallbacks or batch.dequantizing:
             return False
+        if self._index is None:
+            self._index = {id(b): i for i, b in enumerate(self.plan.buckets)}
         rows = batch.copy_rows()
-        expect(rows.ctypes.data, rows.nbytes)
+        expect(rows.ctypes.data, rows.nbytes, self._index.get(id(bucket), -1))
         return True
 
     def pack(
@@ -256,9 +259,9 @@ class Packer:
         batch = ahead[4] if ahead is not None and prebuilt else self._build(bucket, slot, only)
         try:
             # This batch is announced first, so the next bucket's reads queue behind its own.
-            if then is not None and (prebuilt or self._announce(batch)):
+            if then is not None and (prebuilt or self._announce(batch, bucket)):
                 nxt = self._build(then[0], then[1], only)
-                if self._announce(nxt):
+                if self._announce(nxt, then[0]):
                     self._next = (then[0], then[1].data_ptr(), then[1].numel(), only, nxt)
             self.bytes_read += batch.execute(self.ckpt.engine, self.ckpt.files)
         finally:

@@ -113,18 +113,25 @@ class ColdEngine:
     """A ``CopyEngine`` whose file reads are explicit, large and aligned.
 
     A batch's file ops are cut (along their outer dims) into chunks of at most
-    ``chunk_bytes`` of source spans; two read buffers alternate, so the disk
-    reads chunk k+1 (on a helper thread, GIL released) while the engine copies
-    chunk k out of memory. Memory: two buffers of about ``chunk_bytes``, plus
-    the reader's bounce buffers for reads it cannot land in place.
+    ``chunk_bytes`` of source spans, in file order; each chunk is read into one of
+    ``buffers`` read buffers on a helper thread (GIL released, ``lanes`` chunks at
+    once) while the engine copies earlier chunks out of memory. A batch announced
+    with ``expect`` (the next bucket) is read as soon as a buffer frees, so the
+    disk keeps reading while this bucket is copied, scattered and agreed on.
+    Memory: ``buffers`` buffers of about ``chunk_bytes`` (``peak_buffer_bytes``),
+    whatever the number of batches, plus the reader's bounce buffers for reads it
+    cannot land in place.
 
     Args:
         engine: the native CopyEngine that runs the rewritten ops.
         files: the checkpoint's opened files (``SafetensorsFile``), in file-index order.
-        threads: reads in flight (0: the native default).
+        threads: reads in flight, all lanes together (0: the native default).
         block_bytes: bytes per read.
         chunk_bytes: source bytes per chunk (per read buffer).
         drop_cache: drop each window from the page cache once read.
+        buffers: read buffers (>= 2).
+        lanes: chunks read at once (a native read call waits for its slowest read;
+            two keep the disk's queue full across chunk boundaries).
     """
 
     def __init__(
@@ -150,8 +157,10 @@ class ColdEngine:
             self._lanes.put(
                 _native.ColdReader(threads=per_lane, block_bytes=block_bytes, drop_behind=drop_cache)
             )
-        self.reader = _native.ColdReader(threads=threads, block_bytes=block_bytes, drop_behind=drop_cache)
+        self._reader_args = (threads, block_bytes, drop_cache)
+        self._reader: Any = None  # for prefetch; made on first use (its threads cost a start-up)
         self._stats_lock = threading.Lock()
+        self.peak_buffer_bytes = 0  # the most bytes the read buffers held at once
         self.chunk_bytes = chunk_bytes
         self.stats = ColdStats()
         self._timeline: Timeline = current()  # the load's, set per execute (reads run on a helper thread)
@@ -170,6 +179,14 @@ class ColdEngine:
         """Frees the read buffers and the helper thread (reads in flight are waited for)."""
         self._ahead.close()
         self._buffers = [None] * len(self._buffers)
+
+    @property
+    def reader(self) -> Any:
+        """A native ColdReader over every thread (prefetch's)."""
+        if self._reader is None:
+            threads, block, drop = self._reader_args
+            self._reader = _native.ColdReader(threads=threads, block_bytes=block, drop_behind=drop)
+        return self._reader
 
     @property
     def buffer_bytes(self) -> int:
@@ -246,6 +263,8 @@ class ColdEngine:
             total += int(room.sum())
             plan.append((int(f), st, np.stack([en - st, pos, room], axis=1)))
         base = self._buffer(which, total)
+        with self._stats_lock:
+            self.peak_buffer_bytes = max(self.peak_buffer_bytes, self.buffer_bytes)
         where = np.empty(len(rows), dtype=np.int64)
         for f, st, info in plan:
             m = np.nonzero(fidx == f)[0]
@@ -336,11 +355,12 @@ class ColdEngine:
         chunks.append(cut[order[first:]])
         return chunks
 
-    def expect(self, ops: int, ops_nbytes: int) -> None:
+    def expect(self, ops: int, ops_nbytes: int, tag: int = -1) -> None:
         """Announces the ops of the next ``execute`` call: their reads are issued as soon
         as a read buffer frees up (while this batch is still copied or scattered), so the
         disk never waits for the pipeline. A later ``execute`` with other ops drops the
-        announcement (its reads are waited for, never copied from).
+        announcement (its reads are waited for, never copied from). ``tag``: the bucket
+        the ops pack, which the timeline's read events name.
 
         Example:
             >>> engine.expect(next_ops.ctypes.data, next_ops.nbytes)  # bucket k+1
@@ -351,7 +371,7 @@ class ColdEngine:
             return
         rows, cold_ = split
         self._ahead.timeline = current()
-        self._ahead.announce(rows, self._chunks(rows[cold_]))
+        self._ahead.announce(rows, self._chunks(rows[cold_]), tag)
 
     def execute(self, files: Sequence[Any], ops: int, ops_nbytes: int) -> int:
         """Reads the spans the ops need, chunk by chunk, and runs the ops from
@@ -366,7 +386,8 @@ class ColdEngine:
         tl = self._timeline = self._ahead.timeline = current()
         ahead = self._ahead
         try:
-            batch = ahead.start(rows, self._chunks(rows[cold_]) if not ahead.announced(rows) else [])
+            chunks = self._chunks(rows[cold_]) if not ahead.announced(rows) else []
+            batch = ahead.start(rows, chunks, tl.bucket)
             for i in range(len(batch.chunks)):
                 with tl.span("cold_wait", tl.bucket):
                     ready = ahead.wait(batch, i)

@@ -30,6 +30,7 @@ class Batch:
 
     key: np.ndarray  # the batch's op rows as announced (a later execute must match them)
     chunks: list[np.ndarray]
+    tag: int = -1  # the bucket it packs (what its logged reads name)
     futures: list[Future[np.ndarray]] = field(default_factory=list)
     buffers: list[int] = field(default_factory=list)
 
@@ -63,23 +64,23 @@ class ReadAhead:
         self._pool: ThreadPoolExecutor | None = None
         self.timeline: Timeline | None = None  # where issued reads are logged
 
-    def announce(self, key: np.ndarray, chunks: list[np.ndarray]) -> None:
-        """Queues a batch whose reads start as soon as buffers free up."""
-        self._batches.append(Batch(key, chunks))
+    def announce(self, key: np.ndarray, chunks: list[np.ndarray], tag: int = -1) -> None:
+        """Queues a batch whose reads start as soon as buffers free up (``tag``: its bucket)."""
+        self._batches.append(Batch(key, chunks, tag))
         self.pump()
 
     def announced(self, key: np.ndarray) -> bool:
         """True when the next announced batch is ``key`` (its chunks are planned already)."""
         return bool(self._batches) and np.array_equal(self._batches[0].key, key)
 
-    def start(self, key: np.ndarray, chunks: list[np.ndarray]) -> Batch:
+    def start(self, key: np.ndarray, chunks: list[np.ndarray], tag: int = -1) -> Batch:
         """The batch to execute now: the announced head if its ops are ``key``;
         otherwise every announcement is stale (dropped) and ``chunks`` start now."""
         if self.announced(key):
             batch = self._batches[0]
         else:
             self.drain()
-            batch = Batch(key, chunks)
+            batch = Batch(key, chunks, tag)
             self._batches.append(batch)
         self.pump()
         return batch
@@ -94,7 +95,7 @@ class ReadAhead:
                 if self._pool is None:
                     self._pool = ThreadPoolExecutor(self.lanes, thread_name_prefix="streamload-cold")
                 if self.timeline is not None:
-                    self.timeline.mark("read", self.timeline.bucket, "start")
+                    self.timeline.mark("read", batch.tag, "start")
                 batch.buffers.append(which)
                 batch.futures.append(self._pool.submit(self._read, batch.chunks[batch.issued], which))
 
