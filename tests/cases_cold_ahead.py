@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import gc
 from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
-from cases_load import MISSING_PATH, compare_model, mesh_for, reference, tied
+from cases_cold import evicted_mesh
+from cases_load import MISSING_PATH, compare_model, reference, tied
 
 import streamload
 from streamload.io import cold
@@ -18,15 +18,22 @@ def _first(events: list[tuple[str, int, str]], step: str, bucket: int, what: str
     return next((i for i, e in enumerate(events) if e == (step, bucket, what)), None)
 
 
-def _ahead(events: list[tuple[str, int, str]], buckets: int, step: str) -> int:
-    """Buckets k >= 1 whose first read was issued before bucket k-1's ``step`` ended."""
-    count = 0
+def _first_step(events: list[tuple[str, int, str]], step: str, what: str) -> int:
+    return next(i for i, e in enumerate(events) if e[0] == step and e[2] == what)
+
+
+def _ahead(events: list[tuple[str, int, str]], buckets: int, step: str) -> tuple[int, int]:
+    """(buckets k >= 1 whose first read was issued before bucket k-1's ``step`` ended,
+    buckets k >= 1 that read anything at all)."""
+    ahead = eligible = 0
     for k in range(1, buckets):
         read = _first(events, "read", k, "start")
+        if read is None:
+            continue  # nothing of this bucket on this rank
+        eligible += 1
         end = _first(events, step, k - 1, "end")
-        if read is not None and end is not None and read < end:
-            count += 1
-    return count
+        ahead += int(end is not None and read < end)
+    return ahead, eligible
 
 
 def case_read_ahead(
@@ -34,16 +41,11 @@ def case_read_ahead(
 ) -> dict[str, Any] | None:
     """Evicts the files, loads cold with small buckets and chunks while logging every
     step, compares with transformers, and returns what the log shows on this rank."""
-    mesh = mesh_for(ws)
-    if mesh is None:
+    ready = evicted_mesh(rank, ckpt, ws)
+    if ready is None:
         return None
+    mesh, paths = ready
     group = mesh.get_group()
-    paths = sorted(str(p) for p in Path(ckpt).glob("*.safetensors"))
-    gc.collect()  # a previous case's model may still map the files: its pages could not be evicted
-    dist.barrier(group=group)
-    if rank == 0:
-        cold.evict(paths)
-    dist.barrier(group=group)
     engines: list[cold.ColdEngine] = []
     made = cold.ColdEngine
 
@@ -75,13 +77,21 @@ def case_read_ahead(
     assert not bad, f"differ from transformers: {bad}"
     assert tied(model) == tied(ref)
     rep = model.streamload_report
-    out: dict[str, Any] = {"read_mode": rep.read_mode, "buckets": rep.buckets}
+    assert tl.events is not None
+    # Buckets this rank packed or received (LoadReport.buckets counts collectives: none for owners).
+    buckets = len({e[1] for e in tl.events if e[0] in ("pack", "scatter_wait")})
+    out: dict[str, Any] = {"read_mode": rep.read_mode, "buckets": buckets}
     if engines:
         engine = engines[-1]
-        assert tl.events is not None
         out.update(
-            ahead_of_pack=_ahead(tl.events, rep.buckets, "pack"),
-            ahead_of_scatter=_ahead(tl.events, rep.buckets, "scatter_wait"),
+            ahead_of_pack=_ahead(tl.events, buckets, "pack"),
+            ahead_of_scatter=_ahead(tl.events, buckets, "scatter_wait"),
+            scattered=sum(1 for e in tl.events if e[0] == "scatter_wait" and e[2] == "end"),
+            # Chunk reads issued before the first chunk was copied out: the pipeline's depth.
+            reads_before_first_copy=sum(
+                1 for e in tl.events[: _first_step(tl.events, "cold_copy", "end")] if e[0] == "read"
+            ),
+            reads=engine.stats.reads,
             peak_buffer_bytes=engine.peak_buffer_bytes,
             direct_reads=engine.stats.direct_reads,
             direct_refused=engine.stats.direct_refused,

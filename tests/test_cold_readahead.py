@@ -28,6 +28,7 @@ class _Reads:
         self.gates: dict[int, threading.Event] = {}
         self.active: set[int] = set()
         self.overlap = False  # two reads ever wrote into the same buffer at once
+        self.most = 0  # the most reads running at once
         self._lock = threading.Lock()
 
     def __call__(self, rows: np.ndarray, which: int) -> np.ndarray:
@@ -35,6 +36,7 @@ class _Reads:
         with self._lock:
             self.overlap |= which in self.active
             self.active.add(which)
+            self.most = max(self.most, len(self.active))
             self.log.append((cid, which))
             gate = self.gates.setdefault(cid, threading.Event())
         gate.wait(10)
@@ -64,9 +66,9 @@ def test_announced_batch_is_read_while_the_current_one_is_copied() -> None:
     assert ra.wait(batch, 0)[0, 0] == 0
     ra.done(batch, 0)
     assert ra.wait(batch, 1)[0, 0] == 1
-    nxt = ra.start(key1, [])  # announced: its reads are the ones already in flight
-    assert nxt.issued >= 1 and nxt.chunks[0][0, 0] == 10
     ra.done(batch, 1)
+    nxt = ra.start(key1, [])  # announced: its reads are the ones already in flight
+    assert nxt.issued == 3 and nxt.chunks[0][0, 0] == 10
     for i in range(3):
         assert ra.wait(nxt, i)[0, 0] == 10 + i
         ra.done(nxt, i)
@@ -86,10 +88,14 @@ def test_reads_never_exceed_the_buffers_and_wait_for_a_free_one() -> None:
     for i in range(6):
         ra.wait(batch, i)
         ra.done(batch, i)
-        assert sum(b.issued - sum(1 for f in b.futures if f.done()) for b in [batch]) <= 2
+    nxt = ra.start(np.array([1]), [])
+    for i in range(6):
+        assert ra.wait(nxt, i)[0, 0] == 10 + i
+        ra.done(nxt, i)
     ra.close()
-    assert not reads.overlap
-    assert [c for c, _ in reads.log][:6] == list(range(6))
+    assert not reads.overlap and reads.most == 1  # one lane
+    assert {w for _, w in reads.log} == {0, 1}
+    assert [c for c, _ in reads.log] == [*range(6), *range(10, 16)]
 
 
 def test_a_stale_announcement_is_waited_for_and_dropped() -> None:
@@ -105,7 +111,8 @@ def test_a_stale_announcement_is_waited_for_and_dropped() -> None:
         ra.done(batch, i)
     ra.close()
     assert not reads.overlap
-    assert [c for c, _ in reads.log] == [70, 71, 80, 81]
+    ids = [c for c, _ in reads.log]  # 71 may be cancelled before it started
+    assert ids[0] == 70 and ids[-2:] == [80, 81] and 72 not in ids, ids
 
 
 def test_a_failed_read_surfaces_in_its_batch_and_drain_frees_everything() -> None:
@@ -171,18 +178,25 @@ def test_src_reads_bucket_k1_before_bucket_k_is_scattered(
 ) -> None:
     res = group.run(cases_cold_ahead.case_read_ahead, ckpt=ckpts["large"], ws=ws, readers="src")
     r0 = res[0]
-    assert r0["buckets"] >= 4
+    assert r0["buckets"] >= 4 and r0["scattered"] == r0["buckets"]
     # Every bucket after the first: its first read was issued before the previous
     # bucket's pack ended, hence before its scatter completed.
-    assert r0["ahead_of_pack"] == r0["buckets"] - 1, r0
-    assert r0["ahead_of_scatter"] == r0["buckets"] - 1, r0
+    ahead, eligible = r0["ahead_of_pack"]
+    assert eligible >= 3 and ahead == eligible, r0
+    ahead, eligible = r0["ahead_of_scatter"]
+    assert eligible >= 3 and ahead == eligible, r0
     assert r0["direct_reads"] > 0 or r0["direct_refused"]
 
 
 def test_owners_read_ahead_bit_exact(group: RankGroup, ckpts: dict[str, str]) -> None:
+    """Owners on the CPU packs one large bucket per rank: its chunks are read ahead of
+    the copies (four buffers, two lanes), every rank bit-exact."""
     res = group.run(cases_cold_ahead.case_read_ahead, ckpt=ckpts["large"], ws=3, readers="owners")
     for r in res:
-        assert r["ahead_of_pack"] == r["buckets"] - 1, r
+        assert r["read_mode"] == "cold" and r["reads"] > 4, r
+        assert r["reads_before_first_copy"] >= 3, r
+        ahead, eligible = r["ahead_of_pack"]
+        assert ahead == eligible, r
 
 
 def test_read_buffers_bounded_whatever_the_checkpoint_size(group: RankGroup, ckpts: dict[str, str]) -> None:

@@ -234,6 +234,16 @@ class Packer:
         expect(rows.ctypes.data, rows.nbytes, self._index.get(id(bucket), -1))
         return True
 
+    def _prebuild(self, bucket: Bucket, slot: torch.Tensor, only: int | None) -> None:
+        """Builds and announces the next bucket's ops; a bucket whose ops cannot be built
+        is left to its own ``pack``, so its error is raised for it, not for this one."""
+        try:
+            batch = self._build(bucket, slot, only)
+        except Exception:  # noqa: BLE001 - raised again when that bucket is packed
+            return
+        if self._announce(batch, bucket):
+            self._next = (bucket, slot.data_ptr(), slot.numel(), only, batch)
+
     def pack(
         self,
         bucket: Bucket,
@@ -260,9 +270,7 @@ class Packer:
         try:
             # This batch is announced first, so the next bucket's reads queue behind its own.
             if then is not None and (prebuilt or self._announce(batch, bucket)):
-                nxt = self._build(then[0], then[1], only)
-                if self._announce(nxt, then[0]):
-                    self._next = (then[0], then[1].data_ptr(), then[1].numel(), only, nxt)
+                self._prebuild(then[0], then[1], only)
             self.bytes_read += batch.execute(self.ckpt.engine, self.ckpt.files)
         finally:
             self._keep.clear()
