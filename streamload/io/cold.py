@@ -370,7 +370,7 @@ class ColdEngine:
         if split is None or not split[1].any():
             return
         rows, cold_ = split
-        self._ahead.timeline = current()
+        self._timeline = self._ahead.timeline = current()
         self._ahead.announce(rows, self._chunks(rows[cold_]), tag)
 
     def execute(self, files: Sequence[Any], ops: int, ops_nbytes: int) -> int:
