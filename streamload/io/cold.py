@@ -340,18 +340,24 @@ class ColdEngine:
     def _chunks(self, rows: np.ndarray) -> list[np.ndarray]:
         """The cold ops cut into pieces and grouped, in file order, into chunks of at
         most ``chunk_bytes`` of source spans (one read buffer each)."""
-        cut = np.stack([p for r in rows for p in self._pieces(r)])
+        lo, hi, isz = self._extents(rows)
+        big = (hi - lo + 1) * isz > self.chunk_bytes
+        # Only ops over a chunk are cut (one by one); the rest go as they are, vectorised.
+        cut = (
+            rows
+            if not big.any()
+            else np.concatenate([rows[~big], *(np.stack(self._pieces(r)) for r in rows[big])])
+        )
         plo, phi, pisz = self._extents(cut)
         start = self.data_starts[cut[:, _FILE]] + cut[:, _SRC] + plo * pisz
         order = np.lexsort((start, cut[:, _FILE]))  # file order: the disk reads front to back
         chunks: list[np.ndarray] = []
         acc, first = 0, 0
-        nbytes = (phi - plo + 1) * pisz
-        for i, k in enumerate(order.tolist()):
-            if i > first and acc + nbytes[k] > self.chunk_bytes:
+        for i, n in enumerate(((phi - plo + 1) * pisz)[order].tolist()):
+            if i > first and acc + n > self.chunk_bytes:
                 chunks.append(cut[order[first:i]])
                 first, acc = i, 0
-            acc += int(nbytes[k])
+            acc += n
         chunks.append(cut[order[first:]])
         return chunks
 
