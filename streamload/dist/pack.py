@@ -160,6 +160,8 @@ class Packer:
         # The next bucket's ops, built early for read-ahead: (bucket, slot address, slot bytes, only, ops).
         self._next: tuple[Bucket, int, int, int | None, OpBatch] | None = None
         self._index: dict[int, int] | None = None  # id(bucket) -> its index in the plan
+        # Set by the pipeline before ``pack``: the next bucket and its slot, for read-ahead.
+        self.upcoming: tuple[Bucket, torch.Tensor] | None = None
 
     def _add_segment(
         self,
@@ -244,20 +246,16 @@ class Packer:
         if self._announce(batch, bucket):
             self._next = (bucket, slot.data_ptr(), slot.numel(), only, batch)
 
-    def pack(
-        self,
-        bucket: Bucket,
-        slot: torch.Tensor,
-        only: int | None = None,
-        then: tuple[Bucket, torch.Tensor] | None = None,
-    ) -> torch.Tensor:
+    def pack(self, bucket: Bucket, slot: torch.Tensor, only: int | None = None) -> torch.Tensor:
         """Packs ``bucket`` into ``slot``; returns the filled prefix (the wire bytes).
 
         With ``only``, packs that rank's segments alone: into its shards when
-        it is the bucket's direct rank, else to the start of ``slot``. ``then``: the
-        bucket packed next and its slot (not in use until then): its reads may start
-        now, while this one is copied and scattered.
+        it is the bucket's direct rank, else to the start of ``slot``. When the
+        pipeline set ``upcoming`` (the bucket packed next and its slot, not in use
+        until then), that bucket's reads may start now, while this one is copied
+        and scattered; it is consumed by this call.
         """
+        then, self.upcoming = self.upcoming, None
         need = bucket.wire_total if only is None else bucket.wire_bytes(only)
         if need > slot.numel():
             raise ValueError(f"bucket of {need} bytes exceeds the {slot.numel()}-byte staging slot")

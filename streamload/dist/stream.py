@@ -137,8 +137,8 @@ def read_owned(
                     if stager is None:
                         # Shards are filled in place: the next bucket's reads may start now.
                         nxt = plan.buckets[k + 1] if k + 1 < len(plan.buckets) else None
-                        then = (nxt, _NO_SLOT) if nxt is not None else None
-                        packer.pack(bucket, _NO_SLOT, only=row, then=then)
+                        packer.upcoming = (nxt, _NO_SLOT) if nxt is not None else None
+                        packer.pack(bucket, _NO_SLOT, only=row)
                     else:
                         wire = packer.pack(bucket, stager.host(k), only=row)
                         unpack(bucket, row, stager.push(k, wire), locals_)
@@ -235,8 +235,9 @@ def _stream(
                             assert ring is not None
                             # Bucket k+1's slot is written only when k+1 is packed, after the
                             # transport that reads it (bucket k-1) finished: its reads may start now.
-                            then = (plan.buckets[k + 1], ring[k + 1]) if k + 1 < len(plan.buckets) else None
-                            send = packer.pack(bucket, ring[k], then=then)
+                            last = k + 1 == len(plan.buckets)
+                            packer.upcoming = None if last else (plan.buckets[k + 1], ring[k + 1])
+                            send = packer.pack(bucket, ring[k])
                     if bar is not None:
                         bar.update(sum(seg.nbytes for segs in bucket.segments for seg in segs))
             except BaseException as exc:  # noqa: BLE001 - reported to every rank below
