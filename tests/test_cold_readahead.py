@@ -73,8 +73,8 @@ def test_announced_batch_is_read_while_the_current_one_is_copied() -> None:
         assert ra.wait(nxt, i)[0, 0] == 10 + i
         ra.done(nxt, i)
     ra.close()
-    ids = [c for c, _ in reads.log]
-    assert ids == [0, 1, 10, 11, 12]  # file order kept across batches
+    # Two lanes: reads issued together may start in either order (the one-lane test pins the order).
+    assert sorted(c for c, _ in reads.log) == [0, 1, 10, 11, 12]
     assert {w for _, w in reads.log} <= {0, 1, 2} and not reads.overlap
 
 
