@@ -17,6 +17,7 @@ from ..plan.buckets import Plan
 from ..report import progress_enabled
 from ..timeline import current
 from .pack import Packer, StagingRing
+from .prefault import prefault
 from .protocol import StatusRoute, gather_or_raise, open_status_route
 from .staging import Stager, open_stager, settle
 from .transport import Transport
@@ -82,7 +83,16 @@ def scatter(
         else None
     )
     status = status or open_status_route(group, device, create=False)
-    peak = _stream(plan, row, src_rank, group, device, packer, shards.locals_, slots, shards.progress, status)
+    # Fresh CPU shards (not the mapped ones) are faulted in while the pipeline waits (prefault.py).
+    fresh = [t for i, t in enumerate(shards.locals_) if i not in shards.skip] if device.type == "cpu" else []
+    worker = prefault(fresh)
+    try:
+        peak = _stream(
+            plan, row, src_rank, group, device, packer, shards.locals_, slots, shards.progress, status
+        )
+    finally:
+        if worker is not None:
+            worker.join()
     return peak, packer.bytes_read if packer is not None else 0
 
 
