@@ -32,7 +32,10 @@ class LoadReport:
         unrestored_buffers: non-persistent buffers that could not be recomputed.
         reader: reader mode and why it was chosen.
         read_mode: how this rank read the files ("mmap", "pread" or "cold"; "" where it read none).
-        phases: seconds spent in open, match, materialize, plan, stream, finalize.
+        phases: seconds spent in open, match, materialize, plan, stream, finalize; and inside the
+            stream, per step on this rank ("stream.pack", "stream.cold_wait", "stream.cold_copy",
+            "stream.cold_read" (read time summed over the read lanes), "stream.scatter_wait",
+            "stream.unpack", "stream.status"; see ``streamload.timeline``).
     """
 
     bytes_read: int = 0

@@ -5,6 +5,7 @@ from __future__ import annotations
 import gc
 import os
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -12,6 +13,21 @@ from cases_load import MISSING_PATH, compare_model, mesh_for, reference, tied
 
 import streamload
 from streamload.io import cold
+
+
+def evicted_mesh(rank: int, ckpt: str, ws: int) -> tuple[Any, list[str]] | None:
+    """The mesh over ranks [0, ws) (None elsewhere) once rank 0 evicted the checkpoint's files."""
+    mesh = mesh_for(ws)
+    if mesh is None:
+        return None
+    group = mesh.get_group()
+    paths = sorted(str(p) for p in Path(ckpt).glob("*.safetensors"))
+    gc.collect()  # a previous case's model may still map the files: its pages could not be evicted
+    dist.barrier(group=group)
+    if rank == 0:
+        cold.evict(paths)
+    dist.barrier(group=group)
+    return mesh, paths
 
 
 def case_cold_load(
@@ -28,16 +44,11 @@ def case_cold_load(
 ) -> dict | None:
     """Evicts the files, loads with ``read_mode``, measures what stayed in the
     page cache, then compares every parameter with transformers."""
-    mesh = mesh_for(ws)
-    if mesh is None:
+    ready = evicted_mesh(rank, ckpt, ws)
+    if ready is None:
         return None
+    mesh, paths = ready
     group = mesh.get_group()
-    paths = sorted(str(p) for p in Path(ckpt).glob("*.safetensors"))
-    gc.collect()  # a previous case's model may still map the files: its pages could not be evicted
-    dist.barrier(group=group)
-    if rank == 0:
-        cold.evict(paths)
-    dist.barrier(group=group)
     if buffered:  # as on a file system that refuses O_DIRECT: reads go through the page cache
         os.environ["STREAMLOAD_DIRECT_IO"] = "0"
     try:

@@ -157,6 +157,11 @@ class Packer:
         self.virtual = virtual  # FallbackSources: tensors built on the reader by transformers' ops
         self.bytes_read = 0
         self._keep: list[torch.Tensor] = []  # virtual tensors referenced by the pending batch
+        # The next bucket's ops, built early for read-ahead: (bucket, slot address, slot bytes, only, ops).
+        self._next: tuple[Bucket, int, int, int | None, OpBatch] | None = None
+        self._index: dict[int, int] | None = None  # id(bucket) -> its index in the plan
+        # Set by the pipeline before ``pack``: the next bucket and its slot, for read-ahead.
+        self.upcoming: tuple[Bucket, torch.Tensor] | None = None
 
     def _add_segment(
         self,
@@ -190,15 +195,8 @@ class Packer:
         if check is not None:
             check()
 
-    def pack(self, bucket: Bucket, slot: torch.Tensor, only: int | None = None) -> torch.Tensor:
-        """Packs ``bucket`` into ``slot``; returns the filled prefix (the wire bytes).
-
-        With ``only``, packs that rank's segments alone: into its shards when
-        it is the bucket's direct rank, else to the start of ``slot``.
-        """
-        need = bucket.wire_total if only is None else bucket.wire_bytes(only)
-        if need > slot.numel():
-            raise ValueError(f"bucket of {need} bytes exceeds the {slot.numel()}-byte staging slot")
+    def _build(self, bucket: Bucket, slot: torch.Tensor, only: int | None) -> OpBatch:
+        """The copy ops that pack ``bucket`` into ``slot`` (see ``pack``)."""
         batch = OpBatch()
         for rank, segs in enumerate(bucket.segments):
             if only is not None and rank != only:
@@ -219,7 +217,58 @@ class Packer:
                 isz = ITEMSIZE[seg.wire_dtype]
                 seg_strides = contiguous_strides([hi - lo for lo, hi in seg.box])
                 self._add_segment(batch, seg, slot, seg.wire_dtype, seg_strides, (base + seg.offset) // isz)
+        return batch
+
+    def _announce(self, batch: OpBatch, bucket: Bucket) -> bool:
+        """Hands ``batch``'s ops to a read-ahead engine (cold reads) before it runs, which
+        starts reading them as soon as it has a free buffer; False where it cannot.
+
+        Not for batches whose sources are built by transformers' own ops or dequantized
+        (those hold one source group at a time, or read through the files), nor for
+        engines without read-ahead (``expect``)."""
+        expect = getattr(self.ckpt.engine, "expect", None)
+        fallbacks = getattr(getattr(self.virtual, "conversion", None), "fallbacks", None)
+        if expect is None or self.quant or fallbacks or batch.dequantizing:
+            return False
+        if self._index is None:
+            self._index = {id(b): i for i, b in enumerate(self.plan.buckets)}
+        rows = batch.copy_rows()
+        expect(rows.ctypes.data, rows.nbytes, self._index.get(id(bucket), -1))
+        return True
+
+    def _prebuild(self, bucket: Bucket, slot: torch.Tensor, only: int | None) -> None:
+        """Builds and announces the next bucket's ops; a bucket whose ops cannot be built
+        is left to its own ``pack``, so its error is raised for it, not for this one."""
         try:
+            batch = self._build(bucket, slot, only)
+        except Exception:  # noqa: BLE001 - raised again when that bucket is packed
+            return
+        if self._announce(batch, bucket):
+            self._next = (bucket, slot.data_ptr(), slot.numel(), only, batch)
+
+    def pack(self, bucket: Bucket, slot: torch.Tensor, only: int | None = None) -> torch.Tensor:
+        """Packs ``bucket`` into ``slot``; returns the filled prefix (the wire bytes).
+
+        With ``only``, packs that rank's segments alone: into its shards when
+        it is the bucket's direct rank, else to the start of ``slot``. When the
+        pipeline set ``upcoming`` (the bucket packed next and its slot, not in use
+        until then), that bucket's reads may start now, while this one is copied
+        and scattered; it is consumed by this call.
+        """
+        then, self.upcoming = self.upcoming, None
+        need = bucket.wire_total if only is None else bucket.wire_bytes(only)
+        if need > slot.numel():
+            raise ValueError(f"bucket of {need} bytes exceeds the {slot.numel()}-byte staging slot")
+        ahead, self._next = self._next, None
+        prebuilt = (
+            ahead is not None and ahead[0] is bucket and ahead[1:4] == (slot.data_ptr(), slot.numel(), only)
+        )
+        # A prebuilt batch was announced while the previous bucket was packed.
+        batch = ahead[4] if ahead is not None and prebuilt else self._build(bucket, slot, only)
+        try:
+            # This batch is announced first, so the next bucket's reads queue behind its own.
+            if then is not None and (prebuilt or self._announce(batch, bucket)):
+                self._prebuild(then[0], then[1], only)
             self.bytes_read += batch.execute(self.ckpt.engine, self.ckpt.files)
         finally:
             self._keep.clear()

@@ -15,11 +15,16 @@ import torch.distributed as dist
 from ..io.sources import Source
 from ..plan.buckets import Plan
 from ..report import progress_enabled
+from ..timeline import current
 from .pack import Packer, StagingRing
+from .prefault import prefault
 from .protocol import StatusRoute, gather_or_raise, open_status_route
 from .staging import Stager, open_stager, settle
 from .transport import Transport
 from .unpack import unpack
+
+
+_NO_SLOT = torch.empty(0, dtype=torch.uint8)  # packing straight into the shards: no staging slot
 
 
 @dataclass
@@ -78,7 +83,16 @@ def scatter(
         else None
     )
     status = status or open_status_route(group, device, create=False)
-    peak = _stream(plan, row, src_rank, group, device, packer, shards.locals_, slots, shards.progress, status)
+    # Fresh CPU shards (not the mapped ones) are faulted in while the pipeline waits (prefault.py).
+    fresh = [t for i, t in enumerate(shards.locals_) if i not in shards.skip] if device.type == "cpu" else []
+    worker = prefault(fresh)
+    try:
+        peak = _stream(
+            plan, row, src_rank, group, device, packer, shards.locals_, slots, shards.progress, status
+        )
+    finally:
+        if worker is not None:
+            worker.join()
     return peak, packer.bytes_read if packer is not None else 0
 
 
@@ -123,23 +137,30 @@ def read_owned(
         plan.set_direct(row)
     failure: BaseException | None = None
     previous = None
+    tl = current()
     try:
         for k, bucket in enumerate(plan.buckets):
+            tl.bucket = k
             try:
                 packer.check_source()
-                if stager is None:
-                    packer.pack(bucket, torch.empty(0, dtype=torch.uint8), only=row)
-                else:
-                    wire = packer.pack(bucket, stager.host(k), only=row)
-                    unpack(bucket, row, stager.push(k, wire), locals_)
-                    stager.consumed(k)
+                with tl.span("pack", k):
+                    if stager is None:
+                        # Shards are filled in place: the next bucket's reads may start now.
+                        nxt = plan.buckets[k + 1] if k + 1 < len(plan.buckets) else None
+                        packer.upcoming = (nxt, _NO_SLOT) if nxt is not None else None
+                        packer.pack(bucket, _NO_SLOT, only=row)
+                    else:
+                        wire = packer.pack(bucket, stager.host(k), only=row)
+                        unpack(bucket, row, stager.push(k, wire), locals_)
+                        stager.consumed(k)
                 if bar is not None:
                     bar.update(sum(s.nbytes for s in bucket.segments[row]))
             except BaseException as exc:  # noqa: BLE001 - reported to every rank below
                 failure = exc
-            if previous is not None and check.result(previous):
-                break
-            previous = check.post(failure is not None)
+            with tl.span("status", k):
+                if previous is not None and check.result(previous):
+                    break
+                previous = check.post(failure is not None)
             if failure is not None:
                 break
         failed = check.result(previous) if previous is not None else False
@@ -195,37 +216,47 @@ def _stream(
     bar = _progress_bar(plan.payload_bytes, progress) if packer is not None else None
     inflight: deque[tuple[int, torch.Tensor, Any]] = deque()
     failure: BaseException | None = None
+    tl = current()
 
     def finish(unpack_it: bool = True) -> None:
         k, recv, handle = inflight.popleft()
-        Transport.wait(handle)
+        with tl.span("scatter_wait", k):
+            Transport.wait(handle)
         if stager is not None:
             stager.consumed(k)  # the collective that read bucket k's device bytes is done
         if unpack_it:
-            unpack(plan.buckets[k], row, recv, locals_)
+            with tl.span("unpack", k):
+                unpack(plan.buckets[k], row, recv, locals_)
 
     previous: tuple[Any, torch.Tensor] | None = None  # the status all-reduce of the last bucket
     try:
         for k, bucket in enumerate(plan.buckets):
             send = None
+            tl.bucket = k
             try:
                 if len(inflight) == depth:
                     finish()
                 if packer is not None and (ring is not None or stager is not None):
                     packer.check_source()
-                    if stager is not None:
-                        send = stager.push(k, packer.pack(bucket, stager.host(k)))
-                    else:
-                        assert ring is not None
-                        send = packer.pack(bucket, ring[k])
+                    with tl.span("pack", k):
+                        if stager is not None:
+                            send = stager.push(k, packer.pack(bucket, stager.host(k)))
+                        else:
+                            assert ring is not None
+                            # Bucket k+1's slot is written only when k+1 is packed, after the
+                            # transport that reads it (bucket k-1) finished: its reads may start now.
+                            last = k + 1 == len(plan.buckets)
+                            packer.upcoming = None if last else (plan.buckets[k + 1], ring[k + 1])
+                            send = packer.pack(bucket, ring[k])
                     if bar is not None:
                         bar.update(sum(seg.nbytes for segs in bucket.segments for seg in segs))
             except BaseException as exc:  # noqa: BLE001 - reported to every rank below
                 failure = exc
             # All ranks read the same verdict on bucket k-1 here, so all stop at the same bucket.
-            if previous is not None and check.result(previous):
-                break
-            previous = check.post(failure is not None)
+            with tl.span("status", k):
+                if previous is not None and check.result(previous):
+                    break
+                previous = check.post(failure is not None)
             if send is None and packer is not None:
                 # A failed pack still takes part in the collective it announced.
                 send = stager.device(k) if stager is not None else ring[k] if ring is not None else None

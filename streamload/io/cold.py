@@ -17,16 +17,19 @@ from __future__ import annotations
 
 import ctypes
 import os
+import queue
+import threading
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
 
+from ..timeline import Timeline, current
 from . import _native
 from .copy_ops import ITEMSIZE
+from .readahead import ReadAhead
 
 READ_MODES = ("auto", "mmap", "pread", "cold")
 # "auto" reads explicitly when less than this fraction of the files' pages is cached.
@@ -110,18 +113,25 @@ class ColdEngine:
     """A ``CopyEngine`` whose file reads are explicit, large and aligned.
 
     A batch's file ops are cut (along their outer dims) into chunks of at most
-    ``chunk_bytes`` of source spans; two read buffers alternate, so the disk
-    reads chunk k+1 (on a helper thread, GIL released) while the engine copies
-    chunk k out of memory. Memory: two buffers of about ``chunk_bytes``, plus
-    the reader's bounce buffers for reads it cannot land in place.
+    ``chunk_bytes`` of source spans, in file order; each chunk is read into one of
+    ``buffers`` read buffers on a helper thread (GIL released, ``lanes`` chunks at
+    once) while the engine copies earlier chunks out of memory. A batch announced
+    with ``expect`` (the next bucket) is read as soon as a buffer frees, so the
+    disk keeps reading while this bucket is copied, scattered and agreed on.
+    Memory: ``buffers`` buffers of about ``chunk_bytes`` (``peak_buffer_bytes``),
+    whatever the number of batches, plus the reader's bounce buffers for reads it
+    cannot land in place.
 
     Args:
         engine: the native CopyEngine that runs the rewritten ops.
         files: the checkpoint's opened files (``SafetensorsFile``), in file-index order.
-        threads: reads in flight (0: the native default).
+        threads: reads in flight, all lanes together (0: the native default).
         block_bytes: bytes per read.
         chunk_bytes: source bytes per chunk (per read buffer).
         drop_cache: drop each window from the page cache once read.
+        buffers: read buffers (>= 2).
+        lanes: chunks read at once (a native read call waits for its slowest read;
+            two keep the disk's queue full across chunk boundaries).
     """
 
     def __init__(
@@ -130,18 +140,32 @@ class ColdEngine:
         files: Sequence[Any],
         threads: int = 0,
         block_bytes: int = 4 << 20,
-        chunk_bytes: int = 32 << 20,
+        chunk_bytes: int = 16 << 20,
         drop_cache: bool = False,
+        buffers: int = 4,
+        lanes: int = 2,
     ) -> None:
         self.engine = engine
         self.paths = [f.path for f in files]
         self.sizes = np.array([f.file_size for f in files], dtype=np.int64)
         self.data_starts = np.array([f.data_start for f in files], dtype=np.int64)
-        self.reader = _native.ColdReader(threads=threads, block_bytes=block_bytes, drop_behind=drop_cache)
+        # One reader per lane: a native read call waits for its slowest window, so chunks
+        # are read by `lanes` calls at once (each on its own pool) to keep the disk's queue full.
+        per_lane = max(1, (threads or 8) // lanes)
+        self._lanes: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        for _ in range(lanes):
+            self._lanes.put(
+                _native.ColdReader(threads=per_lane, block_bytes=block_bytes, drop_behind=drop_cache)
+            )
+        self._reader_args = (threads, block_bytes, drop_cache)
+        self._reader: Any = None  # for prefetch; made on first use (its threads cost a start-up)
+        self._stats_lock = threading.Lock()
+        self.peak_buffer_bytes = 0  # the most bytes the read buffers held at once
         self.chunk_bytes = chunk_bytes
         self.stats = ColdStats()
-        self._buffers: list[torch.Tensor | None] = [None, None]
-        self._pool: ThreadPoolExecutor | None = None
+        self._timeline: Timeline = current()  # the load's, set per execute (reads run on a helper thread)
+        self._buffers: list[torch.Tensor | None] = [None] * buffers
+        self._ahead = ReadAhead(self._read_chunk, buffers, lanes)
         self._itemsize = np.zeros(max(_native.DTYPE_CODES.values()) + 1, dtype=np.int64)
         for name, code in _native.DTYPE_CODES.items():
             # Sub-byte dtypes (F4, F6_*) have no whole item size: their ops stay on the files (0 here).
@@ -152,11 +176,22 @@ class ColdEngine:
         return int(self.engine.threads)
 
     def close(self) -> None:
-        """Frees the read buffers and the helper thread."""
-        if self._pool is not None:
-            self._pool.shutdown(wait=True)
-            self._pool = None
-        self._buffers = [None, None]
+        """Frees the read buffers and the helper thread (reads in flight are waited for)."""
+        self._ahead.close()
+        self._buffers = [None] * len(self._buffers)
+
+    @property
+    def reader(self) -> Any:
+        """A native ColdReader over every thread (prefetch's)."""
+        if self._reader is None:
+            threads, block, drop = self._reader_args
+            self._reader = _native.ColdReader(threads=threads, block_bytes=block, drop_behind=drop)
+        return self._reader
+
+    @property
+    def buffer_bytes(self) -> int:
+        """Bytes the read buffers hold now (at most ``buffers`` x about ``chunk_bytes``)."""
+        return sum(b.numel() for b in self._buffers if b is not None)
 
     def _buffer(self, which: int, nbytes: int) -> int:
         """The aligned address of read buffer ``which``, grown to ``nbytes``."""
@@ -228,18 +263,26 @@ class ColdEngine:
             total += int(room.sum())
             plan.append((int(f), st, np.stack([en - st, pos, room], axis=1)))
         base = self._buffer(which, total)
+        with self._stats_lock:
+            self.peak_buffer_bytes = max(self.peak_buffer_bytes, self.buffer_bytes)
         where = np.empty(len(rows), dtype=np.int64)
         for f, st, info in plan:
             m = np.nonzero(fidx == f)[0]
             k = np.searchsorted(st, a[m], side="right") - 1
             where[m] = base + info[k, 1] + (a[m] - st[k])
             ranges = np.ascontiguousarray(np.stack([st, info[:, 0], base + info[:, 1], info[:, 2]], axis=1))
-            s = self.reader.read(self.paths[f], ranges.ctypes.data, ranges.nbytes)
-            self.stats.bytes_read += int(s["bytes_read"])
-            self.stats.seconds += float(s["seconds"])
-            self.stats.reads += int(s["windows"])
-            self.stats.direct_reads += int(s["direct_windows"])
-            self.stats.direct_refused |= bool(s["direct_refused"])
+            reader = self._lanes.get()
+            try:
+                s = reader.read(self.paths[f], ranges.ctypes.data, ranges.nbytes)
+            finally:
+                self._lanes.put(reader)
+            self._timeline.add("cold_read", float(s["seconds"]))
+            with self._stats_lock:
+                self.stats.bytes_read += int(s["bytes_read"])
+                self.stats.seconds += float(s["seconds"])
+                self.stats.reads += int(s["windows"])
+                self.stats.direct_reads += int(s["direct_windows"])
+                self.stats.direct_refused |= bool(s["direct_refused"])
         out = rows.copy()
         out[:, _FILE] = -1
         out[:, _SRC] = where
@@ -267,12 +310,12 @@ class ColdEngine:
         rows = np.ascontiguousarray(rows)
         return int(self.engine.execute(list(files), rows.ctypes.data, rows.nbytes))
 
-    def execute(self, files: Sequence[Any], ops: int, ops_nbytes: int) -> int:
-        """Reads the spans the ops need, chunk by chunk, and runs the ops from
-        memory; returns the source bytes read (as ``CopyEngine.execute``)."""
+    def _split(self, ops: int, ops_nbytes: int) -> tuple[np.ndarray, np.ndarray] | None:
+        """The batch's op rows and which of them read the files in bounds (the cold ones);
+        None for a batch that is not whole op rows (the native engine reports it)."""
         n = ops_nbytes // (8 * _F)
         if n == 0 or ops_nbytes % (8 * _F):
-            return int(self.engine.execute(list(files), ops, ops_nbytes))
+            return None
         rows = np.ctypeslib.as_array((ctypes.c_int64 * (n * _F)).from_address(ops)).reshape(n, _F).copy()
         fidx = rows[:, _FILE]
         cold = (fidx >= 0) & (fidx < len(self.paths)) & (rows[:, _SHAPE : _SHAPE + _D].prod(axis=1) > 0)
@@ -292,37 +335,72 @@ class ColdEngine:
             & (rows[:, _SRC] >= 0)
             & (end <= self.sizes[f])
         )
-        done = self._run(files, rows[~cold])
-        if not cold.any():
-            return done
-        pieces = [p for r in rows[cold] for p in self._pieces(r)]
-        cut = np.stack(pieces)
+        return rows, cold
+
+    def _chunks(self, rows: np.ndarray) -> list[np.ndarray]:
+        """The cold ops cut into pieces and grouped, in file order, into chunks of at
+        most ``chunk_bytes`` of source spans (one read buffer each)."""
+        lo, hi, isz = self._extents(rows)
+        big = (hi - lo + 1) * isz > self.chunk_bytes
+        # Only ops over a chunk are cut (one by one); the rest go as they are, vectorised.
+        cut = (
+            rows
+            if not big.any()
+            else np.concatenate([rows[~big], *(np.stack(self._pieces(r)) for r in rows[big])])
+        )
         plo, phi, pisz = self._extents(cut)
         start = self.data_starts[cut[:, _FILE]] + cut[:, _SRC] + plo * pisz
         order = np.lexsort((start, cut[:, _FILE]))  # file order: the disk reads front to back
         chunks: list[np.ndarray] = []
         acc, first = 0, 0
-        nbytes = (phi - plo + 1) * pisz
-        for i, k in enumerate(order.tolist()):
-            if i > first and acc + nbytes[k] > self.chunk_bytes:
-                chunks.append(order[first:i])
+        for i, n in enumerate(((phi - plo + 1) * pisz)[order].tolist()):
+            if i > first and acc + n > self.chunk_bytes:
+                chunks.append(cut[order[first:i]])
                 first, acc = i, 0
-            acc += int(nbytes[k])
-        chunks.append(order[first:])
-        if self._pool is None:
-            self._pool = ThreadPoolExecutor(1, thread_name_prefix="streamload-cold")
-        pending = {0: self._pool.submit(self._read_chunk, cut[chunks[0]], 0)}
+            acc += n
+        chunks.append(cut[order[first:]])
+        return chunks
+
+    def expect(self, ops: int, ops_nbytes: int, tag: int = -1) -> None:
+        """Announces the ops of the next ``execute`` call: their reads are issued as soon
+        as a read buffer frees up (while this batch is still copied or scattered), so the
+        disk never waits for the pipeline. A later ``execute`` with other ops drops the
+        announcement (its reads are waited for, never copied from). ``tag``: the bucket
+        the ops pack, which the timeline's read events name.
+
+        Example:
+            >>> engine.expect(next_ops.ctypes.data, next_ops.nbytes)  # bucket k+1
+            >>> engine.execute(files, ops.ctypes.data, ops.nbytes)  # bucket k
+        """
+        split = self._split(ops, ops_nbytes)
+        if split is None or not split[1].any():
+            return
+        rows, cold_ = split
+        self._timeline = self._ahead.timeline = current()
+        self._ahead.announce(rows, self._chunks(rows[cold_]), tag)
+
+    def execute(self, files: Sequence[Any], ops: int, ops_nbytes: int) -> int:
+        """Reads the spans the ops need, chunk by chunk, and runs the ops from
+        memory; returns the source bytes read (as ``CopyEngine.execute``)."""
+        split = self._split(ops, ops_nbytes)
+        if split is None:
+            return int(self.engine.execute(list(files), ops, ops_nbytes))
+        rows, cold_ = split
+        done = self._run(files, rows[~cold_])
+        if not cold_.any():
+            return done
+        tl = self._timeline = self._ahead.timeline = current()
+        ahead = self._ahead
         try:
-            for k in range(len(chunks)):
-                ready = pending.pop(k).result()
-                if k + 1 < len(chunks):  # read k+1 into the other buffer while k is copied
-                    pending[k + 1] = self._pool.submit(self._read_chunk, cut[chunks[k + 1]], (k + 1) % 2)
-                done += self._run(files, ready)
-        finally:
-            for fut in pending.values():  # never leave a read writing into a buffer
-                fut.cancel()
-                try:
-                    fut.result()
-                except BaseException:  # noqa: BLE001, S110 - the first error is already on its way
-                    pass
+            chunks = self._chunks(rows[cold_]) if not ahead.announced(rows) else []
+            batch = ahead.start(rows, chunks, tl.bucket)
+            for i in range(len(batch.chunks)):
+                with tl.span("cold_wait", tl.bucket):
+                    ready = ahead.wait(batch, i)
+                with tl.span("cold_copy", tl.bucket):
+                    done += self._run(files, ready)
+                ahead.done(batch, i)
+        except BaseException:
+            ahead.drain()  # no read may still be writing into a buffer, none is kept
+            raise
         return done

@@ -180,6 +180,15 @@ class OpBatch:
             ]
         )  # fmt: skip
 
+    def copy_rows(self) -> np.ndarray:
+        """The copy ops as one C-contiguous int64 array (what ``execute`` hands the engine)."""
+        return np.ascontiguousarray(np.array(self._rows, dtype=np.int64).reshape(-1, _native.OP_FIELDS))
+
+    @property
+    def dequantizing(self) -> bool:
+        """True when the batch holds dequantizing ops."""
+        return bool(self._dequant)
+
     def execute(self, engine, files: Sequence) -> int:
         """Runs every op (GIL released); returns the source bytes read."""
         nbytes = 0

@@ -15,6 +15,7 @@ from ..dist.readers import ReaderMode
 from ..dist.strategies import StreamResult
 from ..io.checkpoint import Checkpoint
 from ..report import LoadReport
+from ..timeline import recording
 from .finalize import finalize
 from .prepare import LoadOptions, prepare
 from .source import OpenedSource
@@ -127,12 +128,15 @@ def run_load(
     Returns:
         A LoadReport.
     """
-    prep = prepare(model, path, options, opened)
-    strategy = prep.strategy
-    assert strategy is not None
-    result: StreamResult
-    try:
-        result = strategy.run(prep)
-    finally:
-        strategy.close()
-    return finalize(prep, result)
+    with recording() as timeline:
+        prep = prepare(model, path, options, opened)
+        strategy = prep.strategy
+        assert strategy is not None
+        result: StreamResult
+        try:
+            result = strategy.run(prep)
+        finally:
+            strategy.close()
+        report = finalize(prep, result)
+    report.phases.update(timeline.phases())  # the stream's steps: where its time went
+    return report

@@ -110,6 +110,10 @@ def run(args: argparse.Namespace) -> int:
                     f"correct={r.correct}, tie held={r.tie_held}: {status}",
                     flush=True,
                 )
+                if args.cold and r.phases:  # where rank 0's time went (LoadReport.phases)
+                    print(
+                        "  rank 0: " + ", ".join(f"{k} {v:.3f}s" for k, v in r.phases.items() if v >= 0.001)
+                    )
         raw.extend(row for s in strategies for row in runs[s])
         summary = median_rows if args.cold else median_of
         rows.extend(summary(runs[s]) for s in strategies)

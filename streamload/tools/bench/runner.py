@@ -116,6 +116,7 @@ class RunResult:
     timeline: list[tuple[float, int]] = field(default_factory=list)
     cold: bool = False  # the checkpoint was evicted from the page cache before the load
     resident_before: float = 0.0  # fraction of its weight pages still cached then (mincore)
+    phases: dict[str, float] = field(default_factory=dict)  # rank 0's LoadReport.phases (streamload only)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -259,6 +260,7 @@ def _worker(rank: int, world: int, init_file: str, commands: Any, results: Any) 
             out["first_step_seconds"] = time.perf_counter() - t0
             _first_write(shards, -1)
             out["bytes_moved"] = getattr(getattr(model, "streamload_report", None), "payload_bytes", 0)
+            out["phases"] = dict(getattr(getattr(model, "streamload_report", None), "phases", {}))
             results.put(("timed", out))
             if opts.get("verify", True):
                 results.put(("verified", {"rank": rank, "mismatched": _verify(model, ckpt, dtype, rank)}))
@@ -392,6 +394,7 @@ class BenchGroup:
             ties = {t["tie_held"] for t in timed}
             res.tie_held = None if ties == {None} else all(t is True for t in ties)
             res.timeline = sampler.timeline
+            res.phases = next((t["phases"] for t in timed if t["rank"] == 0), {})
             if verify:
                 verified = self._expect("verified", deadline)
                 res.mismatched = verified[0]["mismatched"]

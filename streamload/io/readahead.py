@@ -1,0 +1,135 @@
+"""Read-ahead for cold reads: chunks of explicit reads kept in flight across batches.
+
+``ColdEngine`` cuts each batch of copy ops into chunks of source spans; a chunk
+is read into one of a fixed set of read buffers on a helper thread, then the
+engine copies out of it. ``ReadAhead`` owns the buffers' turns: a chunk's read
+is issued as soon as a buffer is free, in file order, including the chunks of
+the *next* batch once it was announced (``announce``). So while bucket k's last
+chunks are copied, or bucket k is scattered and its status agreed, the disk is
+already reading bucket k+1 — it never waits for the pipeline to come back.
+
+Memory is fixed: ``buffers`` read buffers, whatever the number of batches
+announced (an announced batch holds no memory until a buffer frees).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from ..timeline import Timeline
+
+
+@dataclass
+class Batch:
+    """One batch of ops: its chunks and the reads issued for them."""
+
+    key: np.ndarray  # the batch's op rows as announced (a later execute must match them)
+    chunks: list[np.ndarray]
+    tag: int = -1  # the bucket it packs (what its logged reads name)
+    futures: list[Future[np.ndarray]] = field(default_factory=list)
+    buffers: list[int] = field(default_factory=list)
+
+    @property
+    def issued(self) -> int:
+        return len(self.futures)
+
+
+class ReadAhead:
+    """Issues chunk reads into ``buffers`` read buffers, batch after batch, in order.
+
+    Args:
+        read: ``read(chunk_rows, buffer) -> rows rewritten to copy from that buffer``
+            (runs on the helper thread).
+        buffers: read buffers (>= 2: one is copied while the next is read).
+        lanes: chunk reads in flight at once (helper threads).
+
+    Example:
+        >>> ra = ReadAhead(engine._read_chunk, 4)
+        >>> ra.announce(rows_k1, chunks_k1)  # bucket k+1, before bucket k is executed
+    """
+
+    def __init__(self, read: Callable[[np.ndarray, int], np.ndarray], buffers: int, lanes: int = 1) -> None:
+        if buffers < 2:
+            raise ValueError("read-ahead needs at least two buffers")
+        self._read = read
+        self.buffers = buffers
+        self.lanes = max(1, min(lanes, buffers - 1))  # reads at once; one buffer is always being copied
+        self._free = list(range(buffers - 1, -1, -1))
+        self._batches: deque[Batch] = deque()
+        self._pool: ThreadPoolExecutor | None = None
+        self.timeline: Timeline | None = None  # where issued reads are logged
+
+    def announce(self, key: np.ndarray, chunks: list[np.ndarray], tag: int = -1) -> None:
+        """Queues a batch whose reads start as soon as buffers free up (``tag``: its bucket)."""
+        self._batches.append(Batch(key, chunks, tag))
+        self.pump()
+
+    def announced(self, key: np.ndarray) -> bool:
+        """True when the next announced batch is ``key`` (its chunks are planned already)."""
+        return bool(self._batches) and np.array_equal(self._batches[0].key, key)
+
+    def start(self, key: np.ndarray, chunks: list[np.ndarray], tag: int = -1) -> Batch:
+        """The batch to execute now: the announced head if its ops are ``key``;
+        otherwise every announcement is stale (dropped) and ``chunks`` start now."""
+        if self.announced(key):
+            batch = self._batches[0]
+        else:
+            self.drain()
+            batch = Batch(key, chunks, tag)
+            self._batches.append(batch)
+        self.pump()
+        return batch
+
+    def pump(self) -> None:
+        """Issues reads while buffers are free: the oldest batch's chunks first (file order)."""
+        for batch in self._batches:
+            while batch.issued < len(batch.chunks):
+                if not self._free:
+                    return
+                which = self._free.pop()
+                if self._pool is None:
+                    self._pool = ThreadPoolExecutor(self.lanes, thread_name_prefix="streamload-cold")
+                if self.timeline is not None:
+                    self.timeline.mark("read", batch.tag, "start")
+                batch.buffers.append(which)
+                batch.futures.append(self._pool.submit(self._read, batch.chunks[batch.issued], which))
+
+    def wait(self, batch: Batch, i: int) -> np.ndarray:
+        """Chunk ``i`` of ``batch`` read; returns its rewritten rows."""
+        if i >= batch.issued:
+            raise AssertionError(f"chunk {i} waited for before it was issued")
+        return batch.futures[i].result()
+
+    def done(self, batch: Batch, i: int) -> None:
+        """Chunk ``i`` was copied out: its buffer takes the next read."""
+        self._free.append(batch.buffers[i])
+        if i == len(batch.chunks) - 1:
+            assert self._batches[0] is batch
+            self._batches.popleft()
+        self.pump()
+
+    def drain(self) -> None:
+        """Waits for every read in flight (none may write into a freed buffer), drops
+        every queued batch and frees every buffer; read errors are dropped with them."""
+        batches, self._batches = self._batches, deque()
+        for batch in batches:
+            for fut in batch.futures:
+                fut.cancel()
+            for fut in batch.futures:
+                try:
+                    fut.result()
+                except BaseException:  # noqa: BLE001, S110 - a dropped read's error is nobody's
+                    pass
+        self._free = list(range(self.buffers - 1, -1, -1))
+
+    def close(self) -> None:
+        """Drains and stops the helper thread."""
+        self.drain()
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None

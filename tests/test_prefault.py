@@ -1,0 +1,49 @@
+"""Prefault: fresh CPU shards get their pages on a helper thread, and not a byte changes."""
+
+from __future__ import annotations
+
+import ctypes
+
+import pytest
+import torch
+
+from streamload.dist.prefault import PAGE, page_ranges, prefault
+
+
+def _resident(t: torch.Tensor) -> float:
+    """Fraction of the tensor's pages that are resident (mincore on its memory)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p]
+    (a, b), *_ = page_ranges([t])
+    vec = ctypes.create_string_buffer((b - a) // PAGE)
+    assert libc.mincore(a, b - a, vec) == 0, ctypes.get_errno()
+    return sum(v & 1 for v in vec.raw) / len(vec.raw)
+
+
+def test_prefault_populates_fresh_memory_without_changing_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    fresh = torch.empty(48 << 20, dtype=torch.uint8)  # large: its own mapping, no pages yet
+    if _resident(fresh) > 0.5:
+        pytest.skip("the allocator handed out memory that was already touched")
+    written = torch.empty(16 << 20, dtype=torch.uint8)
+    worker = prefault([fresh, written])
+    assert worker is not None
+    # Written while the helper populates the same pages: every byte stays as written.
+    pattern = torch.arange(written.numel(), dtype=torch.int64).remainder_(251).to(torch.uint8)
+    written.copy_(pattern)
+    worker.join(30)
+    assert not worker.is_alive()
+    assert torch.equal(written, pattern)
+    populated = _resident(fresh)
+    if populated < 0.99:
+        pytest.skip(f"MADV_POPULATE_WRITE not supported here (resident {populated:.0%})")
+    monkeypatch.setenv("STREAMLOAD_PREFAULT", "0")
+    assert prefault([torch.empty(1 << 20, dtype=torch.uint8)]) is None
+
+
+def test_page_ranges_merge_and_skip_empty() -> None:
+    base = torch.empty(5 * PAGE, dtype=torch.uint8)
+    views = [base[:PAGE], base[2 * PAGE :]]  # one storage: one range
+    (a, b), *rest = page_ranges([*views, torch.empty(0)])
+    assert not rest
+    assert a <= base.data_ptr() < a + PAGE and b >= base.data_ptr() + base.numel()
+    assert page_ranges([]) == []
