@@ -5,14 +5,20 @@ whatever the checkpoint's size."""
 
 from __future__ import annotations
 
+import gc
 import threading
+import weakref
 from concurrent.futures import Future
+from pathlib import Path
 
 import cases_cold_ahead
 import numpy as np
 import pytest
+import torch
 from rank_group import RankGroup
+from safetensors.torch import save_file
 
+import streamload
 from streamload.io.readahead import ReadAhead
 from streamload.timeline import Timeline
 from streamload.tools.synthetic import make_checkpoint
@@ -133,6 +139,28 @@ def test_a_failed_read_surfaces_in_its_batch_and_drain_frees_everything() -> Non
     ra.close()
 
 
+def test_a_cold_checkpoint_is_freed_without_a_full_gc(tmp_path: Path) -> None:
+    """A cold engine and its read-ahead hold no reference cycle: dropping the Checkpoint after
+    a load frees its read buffers and threads at once (a reloading trainer would otherwise grow
+    by the buffers and threads of every load until a full collection)."""
+    want = {"weight": torch.randn(512, 256), "bias": torch.randn(512)}
+    save_file(want, str(tmp_path / "model.safetensors"))
+    engines = []
+    gc.disable()
+    try:
+        for _ in range(3):
+            ckpt = streamload.Checkpoint(tmp_path, mode="cold")
+            engines.append(weakref.ref(ckpt.engine))
+            model = torch.nn.Linear(256, 512)
+            streamload.load_checkpoint(model, ckpt, progress=False)
+            assert torch.equal(model.weight.detach(), want["weight"])
+            del ckpt
+        alive = [e() is not None for e in engines]  # read before any collection can run
+    finally:
+        gc.enable()
+    assert alive == [False, False, False]
+
+
 def test_timeline_logs_in_order() -> None:
     tl = Timeline(events=True)
     with tl.span("pack", 0):
@@ -209,9 +237,10 @@ def test_owners_read_ahead_bit_exact(group: RankGroup, ckpts: dict[str, str]) ->
     res = group.run(cases_cold_ahead.case_read_ahead, ckpt=ckpts["large"], ws=3, readers="owners")
     for r in res:
         assert r["read_mode"] == "cold" and r["reads"] > 4, r
+        # Within its one bucket: >= 3 chunk reads in flight before the first copy (there is
+        # no next bucket to read ahead across on the CPU owners path).
         assert r["reads_before_first_copy"] >= 3, r
-        ahead, eligible = r["ahead_of_pack"]
-        assert ahead == eligible, r
+        assert r["ahead_of_pack"][1] == 0, r
 
 
 def test_read_buffers_bounded_whatever_the_checkpoint_size(group: RankGroup, ckpts: dict[str, str]) -> None:

@@ -270,6 +270,14 @@ class Packer:
             if then is not None and (prebuilt or self._announce(batch, bucket)):
                 self._prebuild(then[0], then[1], only)
             self.bytes_read += batch.execute(self.ckpt.engine, self.ckpt.files)
+        except BaseException:
+            # Reads announced for this bucket or the next must not outlive the failure: a
+            # retry with the same ops would otherwise take their (possibly stale) buffers.
+            self._next = None
+            drain = getattr(self.ckpt.engine, "drain", None)
+            if drain is not None:
+                drain()
+            raise
         finally:
             self._keep.clear()
             release = getattr(self.ckpt, "release", None)

@@ -175,6 +175,10 @@ class ColdEngine:
     def threads(self) -> int:
         return int(self.engine.threads)
 
+    def drain(self) -> None:
+        """Waits for the reads in flight and drops every announced batch (after a failure)."""
+        self._ahead.drain()
+
     def close(self) -> None:
         """Frees the read buffers and the helper thread (reads in flight are waited for)."""
         self._ahead.close()
@@ -386,12 +390,12 @@ class ColdEngine:
         if split is None:
             return int(self.engine.execute(list(files), ops, ops_nbytes))
         rows, cold_ = split
-        done = self._run(files, rows[~cold_])
-        if not cold_.any():
-            return done
         tl = self._timeline = self._ahead.timeline = current()
         ahead = self._ahead
         try:
+            done = self._run(files, rows[~cold_])
+            if not cold_.any():
+                return done
             chunks = self._chunks(rows[cold_]) if not ahead.announced(rows) else []
             batch = ahead.start(rows, chunks, tl.bucket)
             for i in range(len(batch.chunks)):

@@ -6,7 +6,7 @@ engine copies out of it. ``ReadAhead`` owns the buffers' turns: a chunk's read
 is issued as soon as a buffer is free, in file order, including the chunks of
 the *next* batch once it was announced (``announce``). So while bucket k's last
 chunks are copied, or bucket k is scattered and its status agreed, the disk is
-already reading bucket k+1 — it never waits for the pipeline to come back.
+already reading bucket k+1 (up to the read buffers' size: one bucket ahead, no further).
 
 Memory is fixed: ``buffers`` read buffers, whatever the number of batches
 announced (an announced batch holds no memory until a buffer frees).
@@ -14,6 +14,7 @@ announced (an announced batch holds no memory until a buffer frees).
 
 from __future__ import annotations
 
+import weakref
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -56,7 +57,11 @@ class ReadAhead:
     def __init__(self, read: Callable[[np.ndarray, int], np.ndarray], buffers: int, lanes: int = 1) -> None:
         if buffers < 2:
             raise ValueError("read-ahead needs at least two buffers")
-        self._read = read
+        # A weak reference to a bound method: the engine owns this object, and a strong one
+        # would make a cycle that keeps the engine's buffers and threads alive until a full GC.
+        self._read: Callable[[], Callable[[np.ndarray, int], np.ndarray] | None] = (
+            weakref.WeakMethod(read) if hasattr(read, "__self__") else (lambda: read)
+        )
         self.buffers = buffers
         self.lanes = max(1, min(lanes, buffers - 1))  # reads at once; one buffer is always being copied
         self._free = list(range(buffers - 1, -1, -1))
@@ -97,7 +102,13 @@ class ReadAhead:
                 if self.timeline is not None:
                     self.timeline.mark("read", batch.tag, "start")
                 batch.buffers.append(which)
-                batch.futures.append(self._pool.submit(self._read, batch.chunks[batch.issued], which))
+                batch.futures.append(self._pool.submit(self._call, batch.chunks[batch.issued], which))
+
+    def _call(self, rows: np.ndarray, which: int) -> np.ndarray:
+        read = self._read()
+        if read is None:
+            raise RuntimeError("the cold engine that owned this read-ahead is gone")
+        return read(rows, which)
 
     def wait(self, batch: Batch, i: int) -> np.ndarray:
         """Chunk ``i`` of ``batch`` read; returns its rewritten rows."""
