@@ -26,6 +26,7 @@ from torch import nn
 from ..errors import MappingError, TieError
 from ..io.copy_ops import TORCH_DTYPES
 from ..model.hooks import apply_load_hooks
+from ..model.own_buffers import recomputable
 from .convert import Conversion, Sym, Table, _stack
 from .regions import identity_piece
 
@@ -36,9 +37,10 @@ class MappedLoad:
 
     Attributes:
         conversion: target name -> pieces, consumed checkpoint keys, descriptions.
-        outside: model tensors the mapped format does not hold (persistent buffers such
-            as torchtitan's ``moe.expert_bias_E``): kept as they are, or recomputed by
-            their module when built on meta; never reported missing.
+        outside: persistent buffers the mapped format does not hold whose module's class
+            overrides ``_init_self_buffers`` (torchtitan's ``moe.expert_bias_E``): kept as
+            they are, or recomputed by their module when built on meta (and missing if
+            that call does not write them). Any other absent buffer is missing as usual.
     """
 
     conversion: Conversion
@@ -239,13 +241,15 @@ def plan_mapping(
         conv.described[name] = "mapped" + (" (fused QKV)" if name in hooked else "")
         conv.sources[name] = sources.get(name, set())
     buffers = {f"{n}.{b}" if n else b for n, m in model.named_modules() for b in m._buffers}
-    # targets hold only persistent buffers: those the mapped format has no tensor for.
-    outside = {n for n in targets if n in buffers and n not in syms and n not in table}
+    # targets hold only persistent buffers: those the mapped format has no tensor for are exempt
+    # only where their module really recomputes them (checked again once it has run).
+    outside = recomputable(model, (n for n in targets if n in buffers and n not in syms and n not in table))
     return MappedLoad(conv, outside)
 
 
 def _is_alias(model: nn.Module, name: str) -> bool:
-    """Whether parameter ``name`` is the same object as another parameter (a tie)."""
-    seen = [n for n, _ in model.named_parameters(remove_duplicate=True)]
-    every = [n for n, _ in model.named_parameters(remove_duplicate=False)]
-    return name in every and name not in seen
+    """Whether parameter ``name`` is the same object as a parameter of another name (a tie),
+    whichever of the two was registered first."""
+    every = dict(model.named_parameters(remove_duplicate=False))
+    p = every.get(name)
+    return p is not None and any(q is p and n != name for n, q in every.items())
