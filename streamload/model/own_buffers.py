@@ -23,7 +23,6 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from ..errors import KeyMismatchError
-
 from .state import local_placement, local_tensor
 
 # torchtitan's base no-op (torchtitan/protocols/module.py); tests/test_titan_buffers.py fails
@@ -134,7 +133,12 @@ def init_own_buffers(model: nn.Module, names: Iterable[str], device: torch.devic
                 local = _local_part(new, old)
                 persistent = b not in mod._non_persistent_buffers_set
                 dt = DTensor.from_local(
-                    local, old.device_mesh, list(old.placements), run_check=False, shape=old.shape, stride=old.stride()
+                    local,
+                    old.device_mesh,
+                    list(old.placements),
+                    run_check=False,
+                    shape=old.shape,
+                    stride=old.stride(),
                 )
                 mod.register_buffer(b, dt, persistent=persistent)
         written = {b for b, t in mod._buffers.items() if t is not None and _stamp(t) != before.get(b)}
@@ -143,7 +147,9 @@ def init_own_buffers(model: nn.Module, names: Iterable[str], device: torch.devic
     return done
 
 
-def unwritten_is_loud(expected: Iterable[str], recomputed: set[str], strict: bool, missing: list[str]) -> None:
+def unwritten_is_loud(
+    expected: Iterable[str], recomputed: set[str], strict: bool, missing: list[str]
+) -> None:
     """Buffers the mapping left to their module that the module did not write: missing, never silent.
 
     Args:
