@@ -30,9 +30,9 @@ def rebound_params(model: nn.Module) -> list[tuple[str, str]]:
         [('tok_embeddings.weight', 'lm_head.weight')]
     """
     mod_names = {id(m): n for n, m in model.named_modules(remove_duplicate=False)}
-    by_id: dict[int, str] = {}
+    by_id: dict[int, list[str]] = {}
     for n, p in model.named_parameters(remove_duplicate=False):
-        by_id.setdefault(id(p), n)
+        by_id.setdefault(id(p), []).append(n)
     out = []
     for fsdp_mod in model.modules():
         if not isinstance(fsdp_mod, FSDPModule):
@@ -45,5 +45,6 @@ def rebound_params(model: nn.Module) -> list[tuple[str, str]]:
                     continue
                 prefix = mod_names.get(id(info.module), "?")
                 name = f"{prefix}.{info.param_name}" if prefix else info.param_name
-                out.append((name, by_id.get(id(held), "a tensor FSDP does not manage")))
+                other = [n for n in by_id.get(id(held), []) if n != name] or ["a tensor FSDP does not manage"]
+                out.append((name, other[0]))
     return sorted(set(out))
