@@ -94,3 +94,32 @@ def case_titan_retie(rank: int, world: int, *, path: str) -> str:
         # Raised from the placement agreement: before the first weight byte (after to_empty).
         return f"TieError: {exc}"
     raise AssertionError("no TieError")
+
+
+def case_own_buffer_local(rank: int, world: int) -> list[list[float]]:
+    """Only rank 0 recomputes its DTensor buffers (ranks may differ in what they reach): it
+    must neither wait for the others (a collective would hang here) nor get other than its
+    part. Returns, per buffer, this rank's local values."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+    from torchtitan.protocols.module import Module
+
+    from streamload.model.own_buffers import init_own_buffers
+
+    class Cached(Module):  # type: ignore[misc, valid-type]
+        def _init_self_buffers(self, *, buffer_device: torch.device | None = None) -> None:
+            self.rep = torch.arange(5, dtype=torch.float32) * 1.5
+            self.shard = torch.arange(7, dtype=torch.float32) - 3.25
+
+    mesh = init_device_mesh("cpu", (world,))
+    mod = Cached()
+    local_len = torch.chunk(torch.zeros(7), world)[rank].numel()  # Shard(0): torch.chunk's split
+    mod.register_buffer("rep", DTensor.from_local(torch.zeros(5), mesh, [Replicate()], run_check=False))
+    mod.register_buffer(
+        "shard",
+        DTensor.from_local(torch.zeros(local_len), mesh, [Shard(0)], run_check=False, shape=(7,), stride=(1,)),
+    )
+    if rank == 0:
+        assert init_own_buffers(mod, ["rep", "shard"], torch.device("cpu")) == {"rep", "shard"}
+        assert isinstance(mod.rep, DTensor) and isinstance(mod.shard, DTensor)
+    return [mod.rep.to_local().tolist(), mod.shard.to_local().tolist()]

@@ -100,3 +100,11 @@ def test_activation_checkpointing(group: RankGroup, ckpts: dict[str, str]) -> No
 def test_retie_after_fully_shard_is_tie_error(group: RankGroup, ckpts: dict[str, str]) -> None:
     out = group.run(fix.case_titan_retie, timeout=300, path=ckpts["dense"])
     assert all(r.startswith("TieError") and "'tok_embeddings.weight'" in r and "lm_head" in r for r in out), out
+
+
+def test_own_buffers_no_collective(group: RankGroup) -> None:
+    """Runs last: a collective inside the recompute would hang rank 0 and the harness kills the group."""
+    out = group.run(fix.case_own_buffer_local, timeout=60)
+    want_shard = torch.chunk(torch.arange(7, dtype=torch.float32) - 3.25, group.world)[0].tolist()
+    assert out[0] == [(torch.arange(5, dtype=torch.float32) * 1.5).tolist(), want_shard], out[0]
+    assert all(r == [[0.0] * 5, [0.0] * len(r[1])] for r in out[1:]), out
