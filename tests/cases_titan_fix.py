@@ -117,7 +117,9 @@ def case_own_buffer_local(rank: int, world: int) -> list[list[float]]:
     mod.register_buffer("rep", DTensor.from_local(torch.zeros(5), mesh, [Replicate()], run_check=False))
     mod.register_buffer(
         "shard",
-        DTensor.from_local(torch.zeros(local_len), mesh, [Shard(0)], run_check=False, shape=(7,), stride=(1,)),
+        DTensor.from_local(
+            torch.zeros(local_len), mesh, [Shard(0)], run_check=False, shape=(7,), stride=(1,)
+        ),
     )
     if rank == 0:
         assert init_own_buffers(mod, ["rep", "shard"], torch.device("cpu")) == {"rep", "shard"}

@@ -9,7 +9,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-pytest.importorskip("torchtitan.models.qwen3", reason="torchtitan is a clients extra (.ci/clients-nodeps.txt)")
+pytest.importorskip(
+    "torchtitan.models.qwen3", reason="torchtitan is a clients extra (.ci/clients-nodeps.txt)"
+)
 
 import cases_titan as cases  # noqa: E402
 import cases_titan_fix as fix  # noqa: E402
@@ -24,7 +26,9 @@ from streamload.plan import adapter_check  # noqa: E402
 @pytest.fixture(scope="module")
 def ckpts(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     root = tmp_path_factory.mktemp("titanfix")
-    return {kind: tm.write_checkpoint(root / kind, kind, seed=31 + i) for i, kind in enumerate(("dense", "moe"))}
+    return {
+        kind: tm.write_checkpoint(root / kind, kind, seed=31 + i) for i, kind in enumerate(("dense", "moe"))
+    }
 
 
 @pytest.fixture(scope="module")
@@ -99,7 +103,9 @@ def test_activation_checkpointing(group: RankGroup, ckpts: dict[str, str]) -> No
 
 def test_retie_after_fully_shard_is_tie_error(group: RankGroup, ckpts: dict[str, str]) -> None:
     out = group.run(fix.case_titan_retie, timeout=300, path=ckpts["dense"])
-    assert all(r.startswith("TieError") and "'tok_embeddings.weight'" in r and "lm_head" in r for r in out), out
+    assert all(r.startswith("TieError") and "'tok_embeddings.weight'" in r and "lm_head" in r for r in out), (
+        out
+    )
 
 
 def test_own_buffers_no_collective(group: RankGroup) -> None:
