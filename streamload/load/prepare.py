@@ -27,7 +27,7 @@ from ..model.layouts import check_placements
 from ..model.mapped import MappedShards, map_shards
 from ..model.missing import fill_uncovered, snapshot_real
 from ..model.offload import materialize_offloaded, offloads_to_cpu
-from ..model.own_buffers import init_own_buffers
+from ..model.own_buffers import init_own_buffers, unwritten_is_loud
 from ..model.specs import (
     LayoutSpec,
     global_layout,
@@ -428,7 +428,7 @@ def _check_and_materialize(
         local.conversion = plan_conversions(model, view, shapes)
     local.table = {**view, **local.conversion.virtual_table}
     match = local.match = match_keys(state, shapes, local.table, *ignore_patterns(model), local.conversion)
-    # Tensors the mapped format does not hold are kept (or recomputed below), not missing.
+    # Buffers the mapped format lacks whose module recomputes them: checked once written (below).
     match.missing = [n for n in match.missing if n not in outside]
     # A pipeline stage holds some layers: the checkpoint's other tensors are not its concern,
     # but anything the stage holds and the files lack still is.
@@ -461,6 +461,7 @@ def _check_and_materialize(
         recomputed = init_own_buffers(
             model, [*state.meta_buffers, *(n for n in uncovered if n not in saved)], device
         )
+        unwritten_is_loud([n for n in outside if n not in saved], recomputed, options.strict, match.missing)
         state_left = replace(state, meta_buffers=[n for n in state.meta_buffers if n not in recomputed])
         local.unrestored = restore_buffers(model, state_left)
         fill_uncovered(model, [n for n in uncovered if n not in recomputed or n in saved], saved, rank)

@@ -23,6 +23,7 @@ from torch.distributed.tensor import DTensor
 
 from ..dist.transport import all_gather_object
 from ..errors import TieError
+from .fsdp_rebind import rebound_params
 from .state import TieGroup, get_tensor
 
 # How many names an error message lists before it says "..."
@@ -111,6 +112,7 @@ def tie_layout(model: nn.Module, ties: Sequence[TieGroup]) -> TieLayout:
             held = get_tensor(model, alias)
             if held is not canonical and alias in managed and isinstance(held, DTensor):
                 sharded.append((alias, g.canonical))
+    sharded += rebound_params(model)  # re-tied after fully_shard: FSDP still holds the old parameter
     digest = hashlib.sha256(repr(groups).encode()).hexdigest()[:32]
     return TieLayout(digest, tuple(sorted(sharded)))
 

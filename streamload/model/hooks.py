@@ -6,8 +6,17 @@ torchtitan's ``FusedQKVLinear`` holds one ``wqkv`` parameter and exposes the sto
 concatenates along the head dim, i.e. ``wqkv`` rows are, per KV group ``g``, the
 group's ``heads_per_kv`` query heads, then its key head, then its value head. Here
 that interleave is pieces of the three sources (one narrow of each per group), so a
-rank's shard of ``wqkv`` is copied from exactly the rows it needs. Any other load
-pre-hook changes names or values in a way streamload cannot see: a ``MappingError``.
+rank's shard of ``wqkv`` is copied from exactly the rows it needs.
+
+What is checked: every entry of every module's ``_load_state_dict_pre_hooks`` is
+named (qualname) either the fused-QKV merge, applied here, or one of ``NO_VALUE_HOOKS``,
+hooks that change no value: FSDP2's ``to_sharded_hook`` (registered at lazy init, the
+first forward; it reshards, and is run here as ``load_state_dict`` would) and the
+activation-checkpoint wrapper's prefix hook (its ``_checkpoint_wrapped_module.`` name
+part is matched by ``plan/mapping.py``). Any other pre-hook changes names or values in
+a way streamload cannot see: a ``MappingError``. So is a ``FusedQKVLinear`` whose merge
+hook was not found (a torch rename of the hook dict must not skip the merge silently).
+tests/test_titan_hooks.py fails loudly if torch renames the allowed hooks.
 """
 
 from __future__ import annotations
@@ -17,9 +26,13 @@ from typing import Any
 from torch import nn
 
 from ..errors import MappingError
-from ..plan.convert import Sym, _cat, _narrow
+from ..plan.convert import Sym, cat, narrow
 
 FUSED_QKV_HOOK = "FusedQKVLinear._merge_qkv_on_load"
+FUSED_QKV_CLASS = "FusedQKVLinear"
+TO_SHARDED_HOOK = "FSDPParamGroup._register_state_dict_hooks.<locals>.to_sharded_hook"
+CHECKPOINT_PREFIX_HOOK = "ActivationWrapper._pre_load_state_dict_hook"
+NO_VALUE_HOOKS = frozenset({TO_SHARDED_HOOK, CHECKPOINT_PREFIX_HOOK})
 
 
 def _hook_name(hook: Any) -> str:
@@ -46,8 +59,8 @@ def fused_qkv(q: Sym, k: Sym, v: Sym, head_dim: int, heads_per_kv: int) -> Sym:
         raise MappingError(f"q/k/v shapes {list(q.shape)}, {list(k.shape)}, {list(v.shape)} do not fuse")
     parts: list[Sym] = []
     for g in range(k.shape[0] // hd):
-        parts += [_narrow(q, 0, g * hpk * hd, hpk * hd), _narrow(k, 0, g * hd, hd), _narrow(v, 0, g * hd, hd)]
-    return _cat(parts, 0)
+        parts += [narrow(q, 0, g * hpk * hd, hpk * hd), narrow(k, 0, g * hd, hd), narrow(v, 0, g * hd, hd)]
+    return cat(parts, 0)
 
 
 def apply_load_hooks(model: nn.Module, syms: dict[str, Sym]) -> tuple[dict[str, Sym], dict[str, list[str]]]:
@@ -61,7 +74,8 @@ def apply_load_hooks(model: nn.Module, syms: dict[str, Sym]) -> tuple[dict[str, 
         The new mapping, and fused name -> the names it was built from.
 
     Raises:
-        MappingError: a load pre-hook with no region form.
+        MappingError: a load pre-hook that is neither the fused-QKV merge nor in
+            ``NO_VALUE_HOOKS``, or a ``FusedQKVLinear`` without its merge hook.
 
     Example:
         >>> syms, fused = apply_load_hooks(model, syms)
@@ -70,11 +84,18 @@ def apply_load_hooks(model: nn.Module, syms: dict[str, Sym]) -> tuple[dict[str, 
     """
     out = dict(syms)
     fused: dict[str, list[str]] = {}
+    merged: set[str] = set()
     for mod_name, mod in model.named_modules():
         for hook in getattr(mod, "_load_state_dict_pre_hooks", {}).values():
             name = _hook_name(hook)
+            if name == TO_SHARDED_HOOK:
+                getattr(hook, "hook", hook)()  # as load_state_dict: the sharded parameters are loaded
+                continue
+            if name == CHECKPOINT_PREFIX_HOOK:
+                continue
             if not name.endswith(FUSED_QKV_HOOK):
                 raise MappingError(f"load_state_dict pre-hook {name} has no region form", tensor=mod_name)
+            merged.add(mod_name)
             prefix = f"{mod_name}." if mod_name else ""
             for param in ("weight", "bias"):
                 keys = [f"{prefix}{w}.{param}" for w in ("wq", "wk", "wv")]
@@ -86,4 +107,9 @@ def apply_load_hooks(model: nn.Module, syms: dict[str, Sym]) -> tuple[dict[str, 
                 target = f"{prefix}wqkv.{param}"
                 out[target] = fused_qkv(q, k, v, int(mod.head_dim), int(mod.heads_per_kv))
                 fused[target] = keys
+    for mod_name, mod in model.named_modules():
+        if type(mod).__name__ == FUSED_QKV_CLASS and mod_name not in merged:
+            raise MappingError(
+                f"no {FUSED_QKV_HOOK} load hook found on this {FUSED_QKV_CLASS}", tensor=mod_name
+            )
     return out, fused

@@ -26,7 +26,9 @@ from torch import nn
 from ..errors import MappingError, TieError
 from ..io.copy_ops import TORCH_DTYPES
 from ..model.hooks import apply_load_hooks
-from .convert import Conversion, Sym, Table, _stack
+from ..model.own_buffers import recomputable
+from .adapter_check import check_verified
+from .convert import Conversion, Sym, Table, stack
 from .regions import identity_piece
 
 
@@ -36,9 +38,10 @@ class MappedLoad:
 
     Attributes:
         conversion: target name -> pieces, consumed checkpoint keys, descriptions.
-        outside: model tensors the mapped format does not hold (persistent buffers such
-            as torchtitan's ``moe.expert_bias_E``): kept as they are, or recomputed by
-            their module when built on meta; never reported missing.
+        outside: persistent buffers the mapped format does not hold whose module's class
+            overrides ``_init_self_buffers`` (torchtitan's ``moe.expert_bias_E``): kept as
+            they are, or recomputed by their module when built on meta (and missing if
+            that call does not write them). Any other absent buffer is missing as usual.
     """
 
     conversion: Conversion
@@ -79,8 +82,19 @@ def map_table(
 ) -> tuple[dict[str, Sym], set[str], dict[str, set[str]]]:
     """Applies a rename (with stacking) to the tensor table symbolically.
 
+    Args:
+        rename: checkpoint key -> (model name or None to drop, stacked index or None),
+            or None for a key the mapping does not cover.
+        table: the checkpoint's tensor table.
+
     Returns:
         target -> Sym, the checkpoint keys consumed (dropped ones too), target -> its sources.
+
+    Raises:
+        MappingError: two keys onto one target, or stacked indices with gaps.
+
+    Example:
+        >>> syms, consumed, sources = map_table(lambda k: (k.replace("model.", ""), None), table)
     """
     plain: dict[str, str] = {}
     stacked: dict[str, dict[int, str]] = {}
@@ -116,7 +130,7 @@ def map_table(
         keys = [by_index[i] for i in indices]
         leaves = [Sym(tuple(table[k][1]), [identity_piece(k, tuple(table[k][1]))]) for k in keys]
         try:
-            syms[name] = _stack(leaves, 0)
+            syms[name] = stack(leaves, 0)
         except ValueError as exc:
             raise MappingError(f"cannot stack {len(keys)} sources: {exc}", tensor=name) from exc
         sources[name] = set(keys)
@@ -138,20 +152,19 @@ def _adapter_shapes(adapter: Any, table: Table) -> dict[str, tuple[int, ...]]:
     return {k: tuple(v.shape) for k, v in out.items()}
 
 
-# Adapters' ``from_hf`` functions read and verified (bit for bit, tests/test_client_torchtitan.py) to
-# do nothing but the ``from_hf_map`` renames, per-expert ``torch.stack`` and the tie copy. Names
-# and shapes alone cannot tell a value transform: llama3's ``from_hf`` permutes q/k rows for
-# RoPE with the same names and shapes, so any other ``from_hf`` is a MappingError.
-VERIFIED_FROM_HF = frozenset({"torchtitan.models.qwen3.state_dict_adapter.Qwen3StateDictAdapter.from_hf"})
-
-
-def _from_hf_name(adapter: Any) -> str:
-    fn = getattr(type(adapter), "from_hf", None)
-    return f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', '?')}"
-
-
 def is_adapter(mapping: Any) -> bool:
-    """A state-dict adapter in torchtitan's form (``from_hf_map`` and ``from_hf``)."""
+    """Whether ``mapping`` is a state-dict adapter in torchtitan's form.
+
+    Args:
+        mapping: what the caller passed as ``mapping=``.
+
+    Returns:
+        True if it has a ``from_hf_map`` mapping and a callable ``from_hf``.
+
+    Example:
+        >>> is_adapter(Qwen3StateDictAdapter(cfg, None)), is_adapter({"a": "b"})
+        (True, False)
+    """
     return isinstance(getattr(mapping, "from_hf_map", None), Mapping) and callable(
         getattr(mapping, "from_hf", None)
     )
@@ -182,13 +195,7 @@ def plan_mapping(
     """
     adapter = is_adapter(mapping)
     if adapter:
-        if _from_hf_name(mapping) not in VERIFIED_FROM_HF:
-            raise MappingError(
-                f"{_from_hf_name(mapping)} is not known to be renames and expert stacking only "
-                f"(verified: {sorted(VERIFIED_FROM_HF)}); a from_hf that also transforms values "
-                "(llama3 permutes q/k rows) would load wrong with the same names and shapes. "
-                "Pass its from_hf_map as a dict if it does nothing more"
-            )
+        check_verified(mapping)
         rename = _template_rename(mapping.from_hf_map)
     elif isinstance(mapping, Mapping):
         rename = _template_rename(mapping)
@@ -226,6 +233,7 @@ def plan_mapping(
                 f"the adapter's from_hf gives {len(want)} tensors, the region form {len(got)}; "
                 f"they differ at {diff[:10]}"
             )
+    syms, sources = _wrapped_names(model, syms, sources)
     syms, hooked = apply_load_hooks(model, syms)
     for fused, parts in hooked.items():
         sources[fused] = set().union(*(sources.pop(p) for p in parts))
@@ -239,13 +247,46 @@ def plan_mapping(
         conv.described[name] = "mapped" + (" (fused QKV)" if name in hooked else "")
         conv.sources[name] = sources.get(name, set())
     buffers = {f"{n}.{b}" if n else b for n, m in model.named_modules() for b in m._buffers}
-    # targets hold only persistent buffers: those the mapped format has no tensor for.
-    outside = {n for n in targets if n in buffers and n not in syms and n not in table}
+    # targets hold only persistent buffers: those the mapped format has no tensor for are exempt
+    # only where their module really recomputes them (checked again once it has run).
+    outside = recomputable(model, (n for n in targets if n in buffers and n not in syms and n not in table))
     return MappedLoad(conv, outside)
 
 
+# torch's activation-checkpoint wrapper (torchtitan's AC) puts this in every wrapped name;
+# its load pre-hook puts it back into state-dict keys, so mapped names never carry it.
+WRAPPED = "_checkpoint_wrapped_module."
+
+
+def _wrapped_names(
+    model: nn.Module, syms: dict[str, Sym], sources: dict[str, set[str]]
+) -> tuple[dict[str, Sym], dict[str, set[str]]]:
+    """Mapped names as the model names them under an activation-checkpoint wrapper."""
+    names = [n for n, _ in model.named_parameters(remove_duplicate=False)]
+    names += [n for n, _ in model.named_buffers(remove_duplicate=False)]
+    # Every name under a wrapped module without the wrapper's part; others (wq/wk/wv, which
+    # only the fused-QKV hook turns into a model name) by their deepest wrapped module.
+    real = {n.replace(WRAPPED, ""): n for n in names if WRAPPED in n}
+    mods = {m.replace(WRAPPED, ""): m for m, _ in model.named_modules() if WRAPPED in m}
+
+    def model_name(n: str) -> str:
+        if n in real:
+            return real[n]
+        parts = n.split(".")
+        for i in range(len(parts) - 1, 0, -1):  # the deepest wrapped module above it
+            head = ".".join(parts[:i])
+            if head in mods:
+                return mods[head] + n[len(head) :]
+        return n
+
+    if not real:
+        return syms, sources
+    return {model_name(n): s for n, s in syms.items()}, {model_name(n): s for n, s in sources.items()}
+
+
 def _is_alias(model: nn.Module, name: str) -> bool:
-    """Whether parameter ``name`` is the same object as another parameter (a tie)."""
-    seen = [n for n, _ in model.named_parameters(remove_duplicate=True)]
-    every = [n for n, _ in model.named_parameters(remove_duplicate=False)]
-    return name in every and name not in seen
+    """Whether parameter ``name`` is the same object as a parameter of another name (a tie),
+    whichever of the two was registered first."""
+    every = dict(model.named_parameters(remove_duplicate=False))
+    p = every.get(name)
+    return p is not None and any(q is p and n != name for n, q in every.items())
