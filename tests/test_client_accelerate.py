@@ -54,3 +54,13 @@ def test_accelerate_prepare_tied(group: RankGroup, ckpts: dict[str, str]) -> Non
 @pytest.mark.slow
 def test_accelerate_prepare_untied_fp32(group: RankGroup, ckpts: dict[str, str]) -> None:
     _check(group, ckpts["untied"], torch.float32, False)
+
+
+@pytest.mark.slow
+def test_accelerate_prepare_tied_4_ranks(ckpts: dict[str, str]) -> None:
+    """4 ranks (uneven vocab shards): accelerate's own flow and the patched one, both bit-exact."""
+    group4 = RankGroup(4)
+    try:
+        _check(group4, ckpts["tied"], torch.bfloat16, True)
+    finally:
+        group4.close()

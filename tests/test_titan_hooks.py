@@ -6,16 +6,18 @@ is a TieError on every rank. 3 gloo ranks (odd: uneven shards)."""
 
 from __future__ import annotations
 
+import importlib.util
+from typing import Any
+
 import pytest
 import torch
 
-pytest.importorskip(
-    "torchtitan.models.qwen3", reason="torchtitan is a clients extra (.ci/clients-nodeps.txt)"
-)
-
+if importlib.util.find_spec("torchtitan") is None:  # an installed one that fails to import is an error
+    pytest.skip("torchtitan is a clients extra (.ci/clients-nodeps.txt)", allow_module_level=True)
 import cases_titan as cases  # noqa: E402
 import cases_titan_fix as fix  # noqa: E402
 import titan_models as tm  # noqa: E402
+import torchtitan.models.qwen3  # noqa: E402, F401
 from rank_group import RankGroup  # noqa: E402
 
 import streamload  # noqa: E402
@@ -56,6 +58,26 @@ def test_missing_fused_hook_is_mapping_error(ckpts: dict[str, str]) -> None:
             m._load_state_dict_pre_hooks.clear()
     with pytest.raises(streamload.MappingError, match="no .*_merge_qkv_on_load load hook"):
         streamload.load_checkpoint(model, ckpts["dense"], mapping=tm.adapter_for(cfg))
+
+
+def test_unverified_fused_hook_is_mapping_error(ckpts: dict[str, str]) -> None:
+    """A merge hook with the verified name but other code (a subclass's override, a patched
+    torchtitan) has no checked interleave: refused, not loaded with the verified layout."""
+    cfg = tm.titan_config("dense")
+    model = tm.build_meta(cfg)
+
+    def _merge_qkv_on_load(module: Any, state_dict: Any, prefix: str, *args: Any) -> None:
+        keys = [f"{prefix}{w}.weight" for w in ("wq", "wk", "wv")]
+        state_dict[f"{prefix}wqkv.weight"] = torch.cat([state_dict.pop(k) for k in keys])
+
+    _merge_qkv_on_load.__qualname__ = "Int8FusedQKVLinear._merge_qkv_on_load"
+    for m in model.modules():
+        if type(m).__name__ == hooks.FUSED_QKV_CLASS:
+            m._load_state_dict_pre_hooks.clear()
+            m.register_load_state_dict_pre_hook(_merge_qkv_on_load)
+    with pytest.raises(streamload.MappingError, match="is not the verified one"):
+        streamload.load_checkpoint(model, ckpts["dense"], mapping=tm.adapter_for(cfg))
+    assert all(p.is_meta for p in model.parameters())
 
 
 def test_adapter_helper_override_is_refused(ckpts: dict[str, str]) -> None:

@@ -461,7 +461,8 @@ def _check_and_materialize(
         recomputed = init_own_buffers(
             model, [*state.meta_buffers, *(n for n in uncovered if n not in saved)], device
         )
-        unwritten_is_loud([n for n in outside if n not in saved], recomputed, options.strict, match.missing)
+        # strict=True whatever the caller said: on a meta build an unwritten buffer holds to_empty's bytes.
+        unwritten_is_loud([n for n in outside if n not in saved], recomputed, True, match.missing)
         state_left = replace(state, meta_buffers=[n for n in state.meta_buffers if n not in recomputed])
         local.unrestored = restore_buffers(model, state_left)
         fill_uncovered(model, [n for n in uncovered if n not in recomputed or n in saved], saved, rank)

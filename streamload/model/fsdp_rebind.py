@@ -15,6 +15,8 @@ from __future__ import annotations
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
+from ..errors import TieError
+
 
 def rebound_params(model: nn.Module) -> list[tuple[str, str]]:
     """(attribute name, name of the object it now holds) for each FSDP parameter re-bound after sharding.
@@ -34,17 +36,34 @@ def rebound_params(model: nn.Module) -> list[tuple[str, str]]:
     for n, p in model.named_parameters(remove_duplicate=False):
         by_id.setdefault(id(p), []).append(n)
     out = []
-    for fsdp_mod in model.modules():
-        if not isinstance(fsdp_mod, FSDPModule):
-            continue
-        for group in fsdp_mod._get_fsdp_state()._fsdp_param_groups:
-            for fp in group.fsdp_params:
-                info = fp._module_info
-                held = info.module._parameters.get(info.param_name)
-                if held is fp.sharded_param or held is getattr(fp, "_unsharded_param", None):
-                    continue
-                prefix = mod_names.get(id(info.module), "?")
-                name = f"{prefix}.{info.param_name}" if prefix else info.param_name
-                other = [n for n in by_id.get(id(held), []) if n != name] or ["a tensor FSDP does not manage"]
-                out.append((name, other[0]))
+    try:
+        for fsdp_mod in model.modules():
+            if not isinstance(fsdp_mod, FSDPModule):
+                continue
+            for group in fsdp_mod._get_fsdp_state()._fsdp_param_groups:
+                for fp in group.fsdp_params:
+                    info = fp._module_info
+                    # What FSDP may have installed: the shard, the unsharded parameter, or the
+                    # post-forward shard (reshard_after_forward=int between forward and backward).
+                    own = (
+                        fp.sharded_param,
+                        getattr(fp, "_unsharded_param", None),
+                        getattr(fp, "_sharded_post_forward_param", None),
+                    )
+                    # The primary slot and the slots of a tie made before sharding (shared).
+                    slots = [(info.module, info.param_name)]
+                    slots += list(zip(info.shared_modules, info.shared_param_names, strict=True))
+                    for module, attr in slots:
+                        held = module._parameters.get(attr)
+                        if any(held is t for t in own if t is not None):
+                            continue
+                        prefix = mod_names.get(id(module), "?")
+                        name = f"{prefix}.{attr}" if prefix else attr
+                        others = [n for n in by_id.get(id(held), []) if n != name]
+                        out.append((name, (others or ["a tensor FSDP does not manage"])[0]))
+    except AttributeError as exc:  # a torch release renamed what this reads: loud, by name
+        raise TieError(
+            f"cannot check FSDP's parameter slots for re-binding on this torch ({exc}); "
+            "streamload reads FSDPParam._module_info / sharded_param (torch 2.13)"
+        ) from exc
     return sorted(set(out))

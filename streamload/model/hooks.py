@@ -21,6 +21,9 @@ tests/test_titan_hooks.py fails loudly if torch renames the allowed hooks.
 
 from __future__ import annotations
 
+import hashlib
+import inspect
+from importlib import metadata
 from typing import Any
 
 from torch import nn
@@ -33,6 +36,45 @@ FUSED_QKV_CLASS = "FusedQKVLinear"
 TO_SHARDED_HOOK = "FSDPParamGroup._register_state_dict_hooks.<locals>.to_sharded_hook"
 CHECKPOINT_PREFIX_HOOK = "ActivationWrapper._pre_load_state_dict_hook"
 NO_VALUE_HOOKS = frozenset({TO_SHARDED_HOOK, CHECKPOINT_PREFIX_HOOK})
+
+
+# The fused-QKV merge hook whose interleave ``fused_qkv`` reproduces: (module.qualname, torchtitan
+# version) -> sha256 of its source. Another class's override, a patched or another torchtitan is
+# a MappingError (the interleave is a value transform: names and shapes cannot check it).
+VERIFIED_FUSED_HOOKS: dict[tuple[str, str], str] = {
+    (
+        "torchtitan.models.common.attention.FusedQKVLinear._merge_qkv_on_load",
+        "0.3.0",
+    ): "2265fb09b10a3d0aafb12b4d37e59192116cde0859b1eb6d50bb18b7bf2b117b",
+}
+
+
+def check_fused_hook(fn: Any, where: str) -> None:
+    """Refuses a fused-QKV load hook that is not, byte for byte, the verified torchtitan one.
+
+    Args:
+        fn: the hook function (unwrapped).
+        where: the module's name, for the error.
+
+    Raises:
+        MappingError: naming the hook and what differs.
+
+    Example:
+        >>> check_fused_hook(FusedQKVLinear._merge_qkv_on_load, "layers.0.attention.qkv_linear")
+    """
+    qualified = f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', '?')}"
+    try:
+        version = metadata.version("torchtitan")
+        digest = hashlib.sha256(inspect.getsource(fn).encode()).hexdigest()
+    except (metadata.PackageNotFoundError, OSError, TypeError) as exc:
+        raise MappingError(f"fused-QKV hook {qualified} cannot be verified: {exc}", tensor=where) from exc
+    want = VERIFIED_FUSED_HOOKS.get((qualified, version))
+    if want != digest:
+        raise MappingError(
+            f"fused-QKV hook {qualified} (torchtitan {version}) is not the verified one "
+            f"({sorted(VERIFIED_FUSED_HOOKS)}): its interleave has no checked region form",
+            tensor=where,
+        )
 
 
 def _hook_name(hook: Any) -> str:
@@ -95,6 +137,7 @@ def apply_load_hooks(model: nn.Module, syms: dict[str, Sym]) -> tuple[dict[str, 
                 continue
             if not name.endswith(FUSED_QKV_HOOK):
                 raise MappingError(f"load_state_dict pre-hook {name} has no region form", tensor=mod_name)
+            check_fused_hook(getattr(hook, "hook", hook), mod_name)
             merged.add(mod_name)
             prefix = f"{mod_name}." if mod_name else ""
             for param in ("weight", "bias"):
@@ -108,7 +151,7 @@ def apply_load_hooks(model: nn.Module, syms: dict[str, Sym]) -> tuple[dict[str, 
                 out[target] = fused_qkv(q, k, v, int(mod.head_dim), int(mod.heads_per_kv))
                 fused[target] = keys
     for mod_name, mod in model.named_modules():
-        if type(mod).__name__ == FUSED_QKV_CLASS and mod_name not in merged:
+        if any(c.__name__ == FUSED_QKV_CLASS for c in type(mod).__mro__) and mod_name not in merged:
             raise MappingError(
                 f"no {FUSED_QKV_HOOK} load hook found on this {FUSED_QKV_CLASS}", tensor=mod_name
             )

@@ -181,7 +181,9 @@ def global_layout(spec: LayoutSpec, world: int) -> GlobalLayout:
         if isinstance(p, Replicate):
             copies *= n
         elif isinstance(p, _StridedShard):
-            boxes *= int(p.split_factor)  # each strided split can multiply the runs of a dim at most this much
+            boxes *= int(
+                p.split_factor
+            )  # each strided split can multiply the runs of a dim at most this much
     return GlobalLayout(spec.dtype, copies, len(spec.mesh.ranks) * boxes)
 
 
