@@ -41,6 +41,13 @@ class OverrideNoWrite(NoOverride):
         return None
 
 
+class NoOverrideReset(NoOverride):
+    """A no-op ``reset_parameters``: a hook that looks like an initialiser and writes nothing."""
+
+    def reset_parameters(self) -> None:
+        return None
+
+
 class OverrideNoWriteReset(OverrideNoWrite):
     def reset_parameters(self) -> None:
         return None
@@ -89,7 +96,7 @@ def test_unwritten_buffer_strict_is_key_mismatch(ckpt: str, cls: type[nn.Module]
     assert info.value.missing == ["scale"]
 
 
-@pytest.mark.parametrize("cls", [NoOverride, OverrideNoWrite, OverrideNoWriteReset])
+@pytest.mark.parametrize("cls", [NoOverride, OverrideNoWrite, NoOverrideReset, OverrideNoWriteReset])
 def test_unwritten_buffer_not_strict_is_loud(ckpt: str, cls: type[nn.Module]) -> None:
     """strict=False on meta: nothing initialises it, so refused by name, never garbage
     (also where the module has a no-op ``reset_parameters`` besides its no-op override)."""

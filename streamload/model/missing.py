@@ -69,6 +69,13 @@ def _guarded_init() -> contextlib.AbstractContextManager[Any]:
     return hf_init.guard_torch_init_functions()  # type: ignore[no-any-return]
 
 
+def _stamp(t: torch.Tensor) -> tuple[int, int, int, int]:
+    """Identity, version, and the local part's storage and version: any write or re-binding
+    changes one (an in-place write to a DTensor bumps the wrapper's version counter)."""
+    loc = local_tensor(t)
+    return id(t), t._version, loc.data_ptr(), loc._version
+
+
 @torch.no_grad()
 def fill_uncovered(
     model: nn.Module, names: Iterable[str], saved: dict[str, torch.Tensor], rank: int | None = None
@@ -107,6 +114,9 @@ def fill_uncovered(
             module = model.get_submodule(mod_name)
             init = _initializer(model, mod_name)
             reset = getattr(module, "reset_parameters", None)
+            # An initialiser that leaves a tensor alone (a no-op reset_parameters, an
+            # _init_weights without a branch for it) leaves to_empty's bytes: loud.
+            before = {n: _stamp(get_tensor(model, n)) for n in members}
             if init is not None:
                 # transformers' init skips tensors flagged as initialised: flag this module's
                 # other tensors (streamed or restored afterwards), unflag the missing ones.
@@ -121,10 +131,13 @@ def fill_uncovered(
                 reset()
             else:
                 stuck.extend(members)
+                continue
+            stuck.extend(n for n in members if _stamp(get_tensor(model, n)) == before[n])
     if stuck:
         raise KeyMismatchError(
-            f"{len(stuck)} tensors built on meta are not in the checkpoint and have no initialiser "
-            f"(no _init_weights, no reset_parameters): {stuck[:20]}; they would be uninitialised memory",
+            f"{len(stuck)} tensors built on meta are not in the checkpoint and no initialiser wrote them "
+            f"(no _init_weights or reset_parameters, or one that left them alone): {stuck[:20]}; "
+            "they would be uninitialised memory",
             rank=rank,
             missing=stuck,
         )
