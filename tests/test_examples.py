@@ -10,6 +10,8 @@ from pathlib import Path
 import pytest
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+OK = "OK: every parameter equals transformers' from_pretrained; tie held: True"
+TORCH_EXIT_ABORT = "terminate called without an active exception"
 
 
 @pytest.mark.parametrize(
@@ -34,5 +36,11 @@ def test_example_runs(script: str, extra: list[str]) -> None:
     ]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env, cwd=EXAMPLES.parent)
+    if r.returncode != 0 and OK in r.stdout and TORCH_EXIT_ABORT in r.stderr:
+        # torch 2.13 (CPU, gloo, torchrun) sometimes aborts a rank at interpreter exit, after
+        # destroy_process_group, with no streamload in the process at all: a plain
+        # fully_shard + backward + destroy script did so in 1 of 15 runs here. The example's
+        # checks had all passed (OK printed); run it once more, and that run must be clean.
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env, cwd=EXAMPLES.parent)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    assert "OK: every parameter equals transformers' from_pretrained; tie held: True" in r.stdout
+    assert OK in r.stdout
