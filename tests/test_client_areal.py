@@ -46,20 +46,6 @@ def ckpts(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     }
 
 
-@pytest.fixture(scope="module")
-def group2():
-    g = RankGroup(2)
-    yield g
-    g.close()
-
-
-@pytest.fixture(scope="module")
-def group4():
-    g = RankGroup(4)
-    yield g
-    g.close()
-
-
 def _check_moe(group: RankGroup, ckpt: str) -> None:
     own = group.run(cases.case_areal, ckpt=ckpt, loader="areal")
     for r in own:

@@ -44,20 +44,6 @@ def ckpts(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     }
 
 
-@pytest.fixture(scope="module")
-def group2():
-    g = RankGroup(2)
-    yield g
-    g.close()
-
-
-@pytest.fixture(scope="module")
-def group4():
-    g = RankGroup(4)
-    yield g
-    g.close()
-
-
 def _check_tied_run(res: list[dict], meta_everywhere: bool) -> None:
     assert all(r["tied"] for r in res)
     for r in res[1:]:  # what verl's apply_fsdp2 was handed on ranks >= 1
