@@ -9,6 +9,7 @@
 #pragma once
 
 #include <cstdint>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -51,6 +52,8 @@ std::pair<uint64_t, uint64_t> residency(const std::string& path, uint64_t offset
 // written is dirty, and DONTNEED leaves dirty pages in place).
 void evict(const std::string& path, uint64_t offset, uint64_t length, bool sync);
 
+struct Fds;  // a file's descriptors (cold_reader.cpp)
+
 class ColdReader {
  public:
   // threads: preads in flight (0: 8; they wait on the disk, not the CPU).
@@ -86,6 +89,7 @@ class ColdReader {
   };
   char* acquire();
   void release(char* p);
+  std::shared_ptr<Fds> open(const std::string& path);
 
   ThreadPool pool_;
   uint64_t block_;
@@ -95,6 +99,7 @@ class ColdReader {
   std::mutex mu_;
   std::vector<std::unique_ptr<Buffer>> all_;
   std::vector<char*> free_;
+  std::map<std::string, std::shared_ptr<Fds>> fds_;  // per path, open for the reader's life
 };
 
 // DirectMode from "auto" | "off" | "on"; STREAMLOAD_DIRECT_IO=0 turns auto into off.

@@ -32,6 +32,8 @@ class LoadReport:
         unrestored_buffers: non-persistent buffers that could not be recomputed.
         reader: reader mode and why it was chosen.
         read_mode: how this rank read the files ("mmap", "pread" or "cold"; "" where it read none).
+        disk_bytes_read / disk_reads: bytes and reads this rank's cold reads took from the
+            disk (alignment and short gaps included; 0 where it read through the page cache).
         phases: seconds spent in open, match, materialize, plan, stream, finalize; and inside the
             stream, per step on this rank ("stream.pack", "stream.cold_wait", "stream.cold_copy",
             "stream.cold_read" (read time summed over the read lanes), "stream.scatter_wait",
@@ -57,6 +59,8 @@ class LoadReport:
     unrestored_buffers: list[str] = field(default_factory=list)
     reader: str = "src"
     read_mode: str = ""
+    disk_bytes_read: int = 0
+    disk_reads: int = 0
     phases: dict[str, float] = field(default_factory=dict)  # seconds per stage on this rank
 
     def to_dict(self) -> dict[str, Any]:

@@ -32,6 +32,7 @@ class Timeline:
 
     def __init__(self, events: bool = False) -> None:
         self.seconds: dict[str, float] = {}
+        self.counts: dict[str, int] = {}  # e.g. bytes the cold reads took from the disk
         self.events: list[tuple[str, int, str]] | None = [] if events else None
         self.times: list[float] = []  # perf_counter() of each event
         self.bucket = -1  # the bucket the stream is on (helpers log their events against it)
@@ -42,6 +43,11 @@ class Timeline:
         """Charges ``seconds`` to ``step``."""
         with self._lock:
             self.seconds[step] = self.seconds.get(step, 0.0) + seconds
+
+    def count(self, what: str, n: int) -> None:
+        """Adds ``n`` to the counter ``what``."""
+        with self._lock:
+            self.counts[what] = self.counts.get(what, 0) + n
 
     def mark(self, step: str, bucket: int, what: str = "mark") -> None:
         """Appends one event (when the log is on)."""

@@ -37,7 +37,7 @@ def _ahead(events: list[tuple[str, int, str]], buckets: int, step: str) -> tuple
 
 
 def case_read_ahead(
-    rank: int, world: int, *, ckpt: str, ws: int, readers: str, chunk: int = 16 << 10
+    rank: int, world: int, *, ckpt: str, ws: int, readers: str, chunk: int = 16 << 10, bucket: int = 64 << 10
 ) -> dict[str, Any] | None:
     """Evicts the files, loads cold with small buckets and chunks while logging every
     step, compares with transformers, and returns what the log shows on this rank."""
@@ -64,7 +64,7 @@ def case_read_ahead(
             model = streamload.from_pretrained(
                 ckpt if sees else MISSING_PATH,
                 device_mesh=mesh,
-                bucket_bytes=64 << 10,
+                bucket_bytes=bucket,
                 progress=False,
                 readers=readers,
                 read_mode="cold",
@@ -96,6 +96,8 @@ def case_read_ahead(
             direct_reads=engine.stats.direct_reads,
             direct_refused=engine.stats.direct_refused,
             file_bytes=sum(Path(p).stat().st_size for p in paths),
+            disk_bytes_read=rep.disk_bytes_read,
+            disk_reads=rep.disk_reads,
             phases=rep.phases,
         )
         engine.close()

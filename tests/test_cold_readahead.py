@@ -197,6 +197,14 @@ def ckpts(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
                 layers=4, hidden_size=64, moe_intermediate_size=48, **common,
             )
         ),
+        # Experts wider than the reader's gap rule (96 KiB each, bf16): one expert's
+        # down projection lies between its gate/up and the next expert's.
+        "moe_wide": str(
+            make_checkpoint(
+                root / "moe_wide", "qwen3_moe", tie=False, seed=6, num_experts=5, layers=2,
+                hidden_size=256, moe_intermediate_size=192, intermediate_size=192, **common,
+            )
+        ),
     }  # fmt: skip
 
 
@@ -255,3 +263,26 @@ def test_read_buffers_bounded_whatever_the_checkpoint_size(group: RankGroup, ckp
     assert 0 < large["peak_buffer_bytes"] <= bound, large
     assert large["peak_buffer_bytes"] <= small["peak_buffer_bytes"] + 4 * 4096, (small, large)
     assert large["buckets"] > 2 * small["buckets"]
+
+
+@pytest.mark.parametrize("readers", ["src", "owners"])
+def test_per_expert_checkpoint_is_read_once(group: RankGroup, ckpts: dict[str, str], readers: str) -> None:
+    """Fusing per-expert tensors reads each byte of the files once: the gate/up bucket must
+    not read the down projections that lie between them (the next bucket reads those).
+    Counted from the reads the disk served (LoadReport.disk_bytes_read), not timed;
+    measured: 1.06x (src) and 1.13x (owners, 3 ranks' slices of small tensors), where the old
+    1 MiB gap rule read 2.38x and 2.24x."""
+    res = group.run(
+        cases_cold_ahead.case_read_ahead,
+        ckpt=ckpts["moe_wide"],
+        ws=3,
+        readers=readers,
+        chunk=1 << 20,
+        bucket=512 << 10,
+    )
+    file_bytes = res[0]["file_bytes"]
+    read = sum(r.get("disk_bytes_read", 0) for r in res)
+    assert file_bytes > 2 << 20
+    # Reads are 4 KiB-aligned at both ends, and gaps under 64 KiB are read through: a few
+    # pages per tensor (and per rank's slice) on top, which small test tensors make visible.
+    assert file_bytes * 0.99 <= read <= file_bytes * 1.2, (read, file_bytes)

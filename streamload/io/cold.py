@@ -151,6 +151,8 @@ class ColdEngine:
         self.data_starts = np.array([f.data_start for f in files], dtype=np.int64)
         # One reader per lane: a native read call waits for its slowest window, so chunks
         # are read by `lanes` calls at once (each on its own pool) to keep the disk's queue full.
+        if os.environ.get("STREAMLOAD_DIRECT_IO") == "0":
+            lanes = 1
         per_lane = max(1, (threads or 8) // lanes)
         self._lanes: queue.SimpleQueue[Any] = queue.SimpleQueue()
         for _ in range(lanes):
@@ -281,6 +283,8 @@ class ColdEngine:
             finally:
                 self._lanes.put(reader)
             self._timeline.add("cold_read", float(s["seconds"]))
+            self._timeline.count("disk_bytes", int(s["bytes_read"]))
+            self._timeline.count("disk_reads", int(s["windows"]))
             with self._stats_lock:
                 self.stats.bytes_read += int(s["bytes_read"])
                 self.stats.seconds += float(s["seconds"])
@@ -304,6 +308,8 @@ class ColdEngine:
         for index, spans in sorted(by_file.items()):
             arr = np.ascontiguousarray(np.array(sorted(spans), dtype=np.int64).reshape(-1, 2))
             s = self.reader.prefetch(self.paths[index], arr.ctypes.data, arr.nbytes)
+            current().count("disk_bytes", int(s["bytes_read"]))
+            current().count("disk_reads", int(s["windows"]))
             self.stats.bytes_read += int(s["bytes_read"])
             self.stats.seconds += float(s["seconds"])
             self.stats.reads += int(s["windows"])

@@ -15,7 +15,7 @@ from ..dist.readers import ReaderMode
 from ..dist.strategies import StreamResult
 from ..io.checkpoint import Checkpoint
 from ..report import LoadReport
-from ..timeline import recording
+from ..timeline import current, recording
 from .finalize import finalize
 from .prepare import LoadOptions, prepare
 from .source import OpenedSource
@@ -129,6 +129,8 @@ def run_load(
         A LoadReport.
     """
     with recording() as timeline:
+        counted = current()  # this load's timeline, or a test's that every load records into
+        before = dict(counted.counts)
         prep = prepare(model, path, options, opened)
         strategy = prep.strategy
         assert strategy is not None
@@ -139,4 +141,6 @@ def run_load(
             strategy.close()
         report = finalize(prep, result)
     report.phases.update(timeline.phases())  # the stream's steps: where its time went
+    report.disk_bytes_read = counted.counts.get("disk_bytes", 0) - before.get("disk_bytes", 0)
+    report.disk_reads = counted.counts.get("disk_reads", 0) - before.get("disk_reads", 0)
     return report

@@ -106,6 +106,8 @@ class RunResult:
     # From the start of the load through the touch and one in-place update of
     # every parameter (what a first optimizer step writes): the cost to training.
     first_step_seconds: float = 0.0
+    cpu_seconds: list[float] = field(default_factory=list)  # per rank, the load's CPU time (every thread)
+    disk_bytes_read: list[int] = field(default_factory=list)  # per rank, by cold reads (LoadReport)
     peak_rss: list[int] = field(default_factory=list)
     peak_anon_per_rank: list[int] = field(default_factory=list)  # each rank's, over its baseline
     bytes_moved: int = 0
@@ -209,6 +211,12 @@ def _verify(model: Any, ckpt: str, dtype: torch.dtype, rank: int) -> list[str]:
     return bad
 
 
+def _cpu_seconds() -> float:
+    """CPU time of this process so far, every thread, user and system."""
+    ru = resource.getrusage(resource.RUSAGE_SELF)
+    return ru.ru_utime + ru.ru_stime
+
+
 def _worker(rank: int, world: int, init_file: str, commands: Any, results: Any) -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     import gc
@@ -242,10 +250,12 @@ def _worker(rank: int, world: int, init_file: str, commands: Any, results: Any) 
         commands.get()  # go
         model = None
         try:
+            cpu0 = _cpu_seconds()
             t0 = time.perf_counter()
             model = load(ckpt, mesh, dtype, opts)
             dist.barrier()
             out: dict[str, Any] = {"rank": rank, "seconds": time.perf_counter() - t0}
+            out["cpu_seconds"] = _cpu_seconds() - cpu0
             out["peak_rss"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
             out["tie_held"] = _tie_held(model)
             shards = _local_shards(model)
@@ -260,6 +270,7 @@ def _worker(rank: int, world: int, init_file: str, commands: Any, results: Any) 
             out["first_step_seconds"] = time.perf_counter() - t0
             _first_write(shards, -1)
             out["bytes_moved"] = getattr(getattr(model, "streamload_report", None), "payload_bytes", 0)
+            out["disk_bytes_read"] = getattr(getattr(model, "streamload_report", None), "disk_bytes_read", 0)
             out["phases"] = dict(getattr(getattr(model, "streamload_report", None), "phases", {}))
             results.put(("timed", out))
             if opts.get("verify", True):
@@ -382,6 +393,8 @@ class BenchGroup:
             res.file_backed_shard_bytes = sum(t["file_backed_shard_bytes"] for t in timed)
             res.touch_seconds = max(t["touch_seconds"] for t in timed)
             res.first_step_seconds = max(t["first_step_seconds"] for t in timed)
+            res.cpu_seconds = [round(t["cpu_seconds"], 3) for t in timed]
+            res.disk_bytes_read = [t["disk_bytes_read"] for t in timed]
             res.peak_anon_over_baseline = sampler.peak - sampler.baseline
             res.peak_anon_per_rank = [
                 p - b for p, b in zip(sampler.rank_peak, sampler.rank_baseline, strict=True)
