@@ -173,3 +173,29 @@ def test_transposed_source_larger_than_a_chunk_is_cut_not_recursed() -> None:
     lo, hi, isz = engine._extents(np.stack(pieces))
     assert ((hi - lo + 1) * isz <= 1 << 20).all()
     assert sum(int(p[shape] * p[shape + 1]) for p in pieces) == 4 << 20
+
+
+@pytest.mark.parametrize(("env", "drop", "direct"), [(None, False, False), ("1", False, True), (None, True, True)])
+def test_owners_read_buffered_unless_direct_is_forced_or_pages_are_dropped(
+    ckpts: dict[str, str], monkeypatch: pytest.MonkeyPatch, env: str | None, drop: bool, direct: bool
+) -> None:
+    """What the owners strategy asks for: one buffered stream (not one O_DIRECT read),
+    unless STREAMLOAD_DIRECT_IO=1 forces O_DIRECT or drop_cache needs it; the same bytes
+    either way; and a later src load on the same checkpoint reads O_DIRECT again."""
+    if env is None:
+        monkeypatch.delenv("STREAMLOAD_DIRECT_IO", raising=False)
+    else:
+        monkeypatch.setenv("STREAMLOAD_DIRECT_IO", env)
+    c = Checkpoint(ckpts["tied"], mode="cold", drop_cache=drop)
+    cold.read_buffered(c, True)
+    assert c.engine.buffered is not direct
+    _check_all(c, ckpts["tied"])
+    stats = c.engine.stats
+    assert stats.reads > 0
+    assert (stats.direct_reads > 0 or stats.direct_refused) if direct else stats.direct_reads == 0
+    cold.read_buffered(c, False)
+    assert not c.engine.buffered
+    before = stats.direct_reads
+    _check_all(c, ckpts["tied"])
+    assert stats.direct_reads > before or stats.direct_refused
+    c.engine.close()

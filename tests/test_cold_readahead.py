@@ -249,6 +249,7 @@ def test_owners_read_ahead_bit_exact(group: RankGroup, ckpts: dict[str, str]) ->
         # no next bucket to read ahead across on the CPU owners path).
         assert r["reads_before_first_copy"] >= 3, r
         assert r["ahead_of_pack"][1] == 0, r
+        assert r["direct_reads"] == 0, r  # owners: one buffered stream per rank (cold.read_buffered)
 
 
 def test_read_buffers_bounded_whatever_the_checkpoint_size(group: RankGroup, ckpts: dict[str, str]) -> None:
