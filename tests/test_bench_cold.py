@@ -38,6 +38,10 @@ def test_bench_cold_evicts_measures_the_disk_and_repeats(tmp_path: Path) -> None
         assert r["ok"] and r["correct"] and r["tie_held"], r
         assert r["cold"] and r["resident_before"] < 0.01
         assert r["repeats"] == 2 and len(r["cold_seconds_all"]) == 2
-        assert r["disk_gbps"] > 0 and r["file_bytes"] > 0
+        assert r["disk_gbps"] > 0 and r["file_bytes"] > 0 and r["buffered_gbps"] > 0
+        assert len(r["cpu_seconds"]) == 2 and all(c > 0 for c in r["cpu_seconds"]), r
+    owners = rows[0]
+    # Every rank read its own shards from the disk: together at least the shard bytes.
+    assert sum(owners["disk_bytes_read"]) >= owners["shard_bytes"] > 0, owners
     table = (out / "table.md").read_text()
-    assert "vs read once" in table and "read files once s" in table
+    assert "vs read once" in table and "read files once s" in table and "one buffered stream s" in table

@@ -75,15 +75,20 @@ class Bandwidth:
 
 
 def probe_bandwidth(
-    paths: Sequence[str | os.PathLike[str]], threads: int = 0, block_bytes: int = 16 << 20
+    paths: Sequence[str | os.PathLike[str]],
+    threads: int = 0,
+    block_bytes: int = 16 << 20,
+    direct: str = "auto",
 ) -> Bandwidth:
     """Reads every file once in large blocks, several in flight, into throwaway
-    buffers: ``O_DIRECT`` where possible, else buffered after evicting the files.
+    buffers: ``O_DIRECT`` where possible, else buffered after evicting the files
+    (``direct="off"``: buffered; with ``threads=1``, one stream the kernel reads ahead of).
 
     Example:
         >>> probe_bandwidth(ckpt.paths).gbps
     """
-    stats = _native.ColdReader(threads=threads, block_bytes=block_bytes).probe([str(p) for p in paths])
+    reader = _native.ColdReader(threads=threads, block_bytes=block_bytes, direct=direct)
+    stats = reader.probe([str(p) for p in paths])
     return Bandwidth(int(stats["bytes_read"]), float(stats["seconds"]), stats["direct_windows"] > 0)
 
 
