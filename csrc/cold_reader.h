@@ -9,7 +9,7 @@
 #pragma once
 
 #include <cstdint>
-#include <map>
+#include <utility>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -99,7 +99,7 @@ class ColdReader {
   std::mutex mu_;
   std::vector<std::unique_ptr<Buffer>> all_;
   std::vector<char*> free_;
-  std::map<std::string, std::shared_ptr<Fds>> fds_;  // per path, open for the reader's life
+  std::vector<std::pair<std::string, std::shared_ptr<Fds>>> fds_;  // the last files read, oldest first
 };
 
 // DirectMode from "auto" | "off" | "on"; STREAMLOAD_DIRECT_IO=0 turns auto into off.
