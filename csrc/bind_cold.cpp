@@ -60,7 +60,8 @@ void bind_cold(py::module_& m) {
       .def(
           "read",
           // ranges: address and byte length of a C-contiguous int64 (n, RANGE_FIELDS) array.
-          [](ColdReader& r, const std::string& path, uintptr_t ranges, uint64_t ranges_nbytes) {
+          // fd: a descriptor of the file as it was opened (its header read from it), or -1.
+          [](ColdReader& r, const std::string& path, uintptr_t ranges, uint64_t ranges_nbytes, int fd) {
             constexpr uint64_t row = kRangeFields * sizeof(int64_t);
             if (ranges_nbytes % row != 0) throw py::value_error("ranges buffer is not a whole number of range records");
             if (ranges_nbytes > 0 && ranges == 0) throw py::value_error("null ranges buffer");
@@ -76,11 +77,11 @@ void bind_cold(py::module_& m) {
             ReadStats s;
             {
               py::gil_scoped_release nogil;
-              s = r.read(path, rs);
+              s = r.read(path, rs, fd);
             }
             return stats_dict(s);
           },
-          py::arg("path"), py::arg("ranges"), py::arg("ranges_nbytes"))
+          py::arg("path"), py::arg("ranges"), py::arg("ranges_nbytes"), py::arg("fd") = -1)
       .def(
           "prefetch",
           // ranges: address and byte length of a C-contiguous int64 (n, 2) array: offset, bytes.

@@ -29,6 +29,9 @@ constexpr uint64_t kMaxGap = 64 << 10;
 // Files whose descriptors a reader keeps open between calls.
 constexpr size_t kOpenFiles = 4;
 
+// Bytes per POSIX_FADV_WILLNEED call (see ColdReader::read).
+constexpr uint64_t kAdviseSlice = 512 << 10;
+
 uint64_t align_down(uint64_t x) { return x / kDirectAlign * kDirectAlign; }
 uint64_t align_up(uint64_t x) { return (x + kDirectAlign - 1) / kDirectAlign * kDirectAlign; }
 
@@ -55,8 +58,9 @@ struct Fds {
       throw FileError(errno_text("cannot stat"), path);
     }
     size = static_cast<uint64_t>(st.st_size);
-    // Buffered reads (the fallback) go front to back: let the kernel read ahead far,
-    // unless every page is dropped behind the reader (then no readahead at all).
+    // Buffered reads of an O_DIRECT reader that was refused go front to back: let the
+    // kernel read ahead far, unless every page is dropped behind the reader (then no
+    // readahead at all). A reader that reads buffered by choice advises RANDOM (open).
     ::posix_fadvise(buffered, 0, 0, drop_behind ? POSIX_FADV_RANDOM : POSIX_FADV_SEQUENTIAL);
     if (mode == DirectMode::Off) return;
     direct = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_DIRECT);
@@ -176,12 +180,11 @@ void ColdReader::release(char* p) {
   free_.push_back(p);
 }
 
-std::shared_ptr<Fds> ColdReader::open(const std::string& path) {
+std::shared_ptr<Fds> ColdReader::open(const std::string& path, int expect_fd) {
   std::lock_guard<std::mutex> lk(mu_);
-  // Kept open across calls: a descriptor's readahead state carries over from one call to
-  // the next, so buffered reads in file order stay one sequential stream. Only the last
-  // few files: reads go through the files in order, and a checkpoint of hundreds of files
-  // must not hold hundreds of descriptors per reader.
+  // Kept open across calls: one open (two with O_DIRECT) per file, not per chunk. Only the
+  // last few files: reads go through the files in order, and a checkpoint of hundreds of
+  // files must not hold hundreds of descriptors per reader.
   auto it = std::find_if(fds_.begin(), fds_.end(), [&](const auto& e) { return e.first == path; });
   std::shared_ptr<Fds> f;
   if (it != fds_.end()) {
@@ -189,6 +192,14 @@ std::shared_ptr<Fds> ColdReader::open(const std::string& path) {
     fds_.erase(it);
   } else {
     f = std::make_shared<Fds>(path, direct_, drop_behind_);
+    if (expect_fd >= 0) {
+      // The header (offsets, sizes) came from expect_fd's file: read that one or none.
+      struct stat want, got;
+      if (::fstat(expect_fd, &want) != 0 || ::fstat(f->buffered, &got) != 0)
+        throw FileError(errno_text("cannot stat"), path);
+      if (want.st_dev != got.st_dev || want.st_ino != got.st_ino)
+        throw FileError("the file was replaced after the checkpoint was opened: its header no longer describes it", path);
+    }
     // A buffered reader asks for exactly its windows (WILLNEED, in read): the kernel's
     // own readahead would also read what lies between them, which on a rank that reads
     // every other slice of each tensor is the next rank's bytes.
@@ -199,9 +210,9 @@ std::shared_ptr<Fds> ColdReader::open(const std::string& path) {
   return f;
 }
 
-ReadStats ColdReader::read(const std::string& path, const std::vector<ReadRange>& ranges) {
+ReadStats ColdReader::read(const std::string& path, const std::vector<ReadRange>& ranges, int expect_fd) {
   auto t0 = std::chrono::steady_clock::now();
-  std::shared_ptr<Fds> held = open(path);
+  std::shared_ptr<Fds> held = open(path, expect_fd);
   Fds& f = *held;
   ReadStats stats;
   stats.direct_refused = f.refused;
@@ -319,10 +330,13 @@ ReadStats ColdReader::read(const std::string& path, const std::vector<ReadRange>
   } else {
     // Buffered: one thread in file order. Several threads on one descriptor got small
     // reads (measured: 1 stream 2-3 GB/s, 2-8 threads 1.1 GB/s on a virtio disk).
-    // Every window is requested up front (large requests, all in flight at once), then
-    // copied out in file order as its pages arrive.
+    // Every window is requested up front, then copied out in file order as its pages
+    // arrive. In slices: the kernel caps one WILLNEED at max(io_pages, ra_pages) (128 KiB
+    // to a few MiB), and drops the rest of a larger one silently.
     for (const Window& win : windows)
-      ::posix_fadvise(f.buffered, static_cast<off_t>(win.begin), static_cast<off_t>(win.end - win.begin), POSIX_FADV_WILLNEED);
+      for (uint64_t at = win.begin; at < win.end; at += kAdviseSlice)
+        ::posix_fadvise(f.buffered, static_cast<off_t>(at), static_cast<off_t>(std::min(kAdviseSlice, win.end - at)),
+                        POSIX_FADV_WILLNEED);
     for (size_t w = 0; w < windows.size(); ++w) one(w);
   }
   // Once more over everything read, after every window finished: a page one window's

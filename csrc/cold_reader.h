@@ -2,8 +2,9 @@
 // Reading through a mapping faults one page (or one readahead window) at a
 // time; here large aligned preads, several in flight, read byte ranges of a
 // file in file order into caller memory, with O_DIRECT and an aligned bounce
-// buffer where the file system allows it (buffered preads with
-// POSIX_FADV_SEQUENTIAL where it does not). Also: page-cache residency
+// buffer where the file system allows it; buffered (where it does not, or when
+// asked) every window is requested up front with POSIX_FADV_WILLNEED and copied
+// out in file order. Also: page-cache residency
 // (mincore), eviction (POSIX_FADV_DONTNEED) and a sequential-read bandwidth
 // probe, which the loader and the benchmark use to choose and to compare.
 #pragma once
@@ -66,11 +67,13 @@ class ColdReader {
 
   // Reads every range (sorted by offset, not overlapping, inside the file,
   // each nbytes <= dst_len: checked before anything is read). Ranges closer
-  // than 1 MiB share a read. A window inside one range whose destination is
+  // than 64 KiB share a read. A window inside one range whose destination is
   // aligned like its file offset is read straight into place (no bounce);
   // callers that lay out their buffers so get O_DIRECT without a copy.
   // Throws FileError.
-  ReadStats read(const std::string& path, const std::vector<ReadRange>& ranges);
+  // expect_fd >= 0: a descriptor of the file the caller read the header from; a path that
+  // now names another file (replaced since) is a FileError, never a mix of two files' bytes.
+  ReadStats read(const std::string& path, const std::vector<ReadRange>& ranges, int expect_fd = -1);
 
   // Reads the ranges ({offset, nbytes}, in the file) through the page cache,
   // several in flight, and discards the bytes: afterwards they are cached, so
@@ -89,7 +92,7 @@ class ColdReader {
   };
   char* acquire();
   void release(char* p);
-  std::shared_ptr<Fds> open(const std::string& path);
+  std::shared_ptr<Fds> open(const std::string& path, int expect_fd);
 
   ThreadPool pool_;
   uint64_t block_;

@@ -95,6 +95,7 @@ def case_read_ahead(
             peak_buffer_bytes=engine.peak_buffer_bytes,
             direct_reads=engine.stats.direct_reads,
             direct_refused=engine.stats.direct_refused,
+            buffered=engine.buffered,
             file_bytes=sum(Path(p).stat().st_size for p in paths),
             disk_bytes_read=rep.disk_bytes_read,
             disk_reads=rep.disk_reads,

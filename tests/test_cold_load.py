@@ -175,7 +175,9 @@ def test_transposed_source_larger_than_a_chunk_is_cut_not_recursed() -> None:
     assert sum(int(p[shape] * p[shape + 1]) for p in pieces) == 4 << 20
 
 
-@pytest.mark.parametrize(("env", "drop", "direct"), [(None, False, False), ("1", False, True), (None, True, True)])
+@pytest.mark.parametrize(
+    ("env", "drop", "direct"), [(None, False, False), ("1", False, True), (None, True, True)]
+)
 def test_owners_read_buffered_unless_direct_is_forced_or_pages_are_dropped(
     ckpts: dict[str, str], monkeypatch: pytest.MonkeyPatch, env: str | None, drop: bool, direct: bool
 ) -> None:
@@ -198,4 +200,42 @@ def test_owners_read_buffered_unless_direct_is_forced_or_pages_are_dropped(
     before = stats.direct_reads
     _check_all(c, ckpts["tied"])
     assert stats.direct_reads > before or stats.direct_refused
+    c.engine.close()
+
+
+def test_a_file_replaced_after_open_is_an_error_not_a_mix(
+    tmp_path: Path, ckpts: dict[str, str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A reused Checkpoint whose file was replaced (renamed over) after it was opened: the
+    header came from the old file, so a reader that opens the path anew (a fresh engine,
+    a switch of read mode) raises CheckpointFileError instead of reading the new file's
+    bytes at the old offsets."""
+    import shutil
+
+    from streamload.errors import CheckpointFileError
+
+    monkeypatch.delenv("STREAMLOAD_DIRECT_IO", raising=False)
+    src = Path(ckpts["one_file"])
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(src, ckpt)
+    c = Checkpoint(str(ckpt), mode="cold")
+    name = c.tensors[0].name
+    before = c.read(name).clone()
+    path = Path(_paths(str(ckpt))[0])
+    swap = path.with_suffix(".new")
+    raw = bytearray(path.read_bytes())
+    start = c.files[0].data_start
+    raw[start:] = bytes(255 - b for b in raw[start:])  # same header, every weight byte differs
+    swap.write_bytes(bytes(raw))
+    swap.replace(path)
+    for _ in range(3):  # a lane reader that kept its descriptor reads the old file; a new one refuses
+        try:
+            got = c.read(name)
+        except CheckpointFileError as exc:
+            assert "replaced after the checkpoint was opened" in str(exc)
+        else:
+            assert torch.equal(bit_view(got), bit_view(before))
+    c.engine.read_buffered(not c.engine.buffered)  # new readers open the path again
+    with pytest.raises(CheckpointFileError, match="replaced after the checkpoint was opened"):
+        c.read(name)
     c.engine.close()

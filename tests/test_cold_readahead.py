@@ -228,7 +228,7 @@ def test_src_reads_bucket_k1_before_bucket_k_is_scattered(
     assert eligible >= 3 and ahead == eligible, r0
     ahead, eligible = r0["ahead_of_scatter"]
     assert eligible >= 3 and ahead == eligible, r0
-    assert r0["direct_reads"] > 0 or r0["direct_refused"]
+    assert not r0["buffered"] and (r0["direct_reads"] > 0 or r0["direct_refused"])
 
 
 def test_moe_fused_while_read_ahead(group: RankGroup, ckpts: dict[str, str]) -> None:
@@ -249,7 +249,7 @@ def test_owners_read_ahead_bit_exact(group: RankGroup, ckpts: dict[str, str]) ->
         # no next bucket to read ahead across on the CPU owners path).
         assert r["reads_before_first_copy"] >= 3, r
         assert r["ahead_of_pack"][1] == 0, r
-        assert r["direct_reads"] == 0, r  # owners: one buffered stream per rank (cold.read_buffered)
+        assert r["buffered"] and r["direct_reads"] == 0, r  # owners read buffered (cold.read_buffered)
 
 
 def test_read_buffers_bounded_whatever_the_checkpoint_size(group: RankGroup, ckpts: dict[str, str]) -> None:
@@ -281,8 +281,9 @@ def test_per_expert_checkpoint_is_read_once(group: RankGroup, ckpts: dict[str, s
         chunk=1 << 20,
         bucket=512 << 10,
     )
+    assert all(r is not None for r in res), res
     file_bytes = res[0]["file_bytes"]
-    read = sum(r.get("disk_bytes_read", 0) for r in res)
+    read = sum(r.get("disk_bytes_read", 0) for r in res)  # ranks that read nothing report no engine
     assert file_bytes > 2 << 20
     # Reads are 4 KiB-aligned at both ends, and gaps under 64 KiB are read through: a few
     # pages per tensor (and per rank's slice) on top, which small test tensors make visible.

@@ -8,7 +8,6 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 import torch.distributed as dist
 
-from ..io.cold import read_buffered
 from . import protocol
 from .protocol import StatusRoute, gather_or_raise, open_status_route
 from .readers import ReaderChoice, ReaderMode
@@ -71,7 +70,6 @@ class SrcScatter(_Routed):
 
     def run(self, prep: Prepared) -> StreamResult:
         source = prep.source if prep.rank == prep.options.src_rank else None
-        read_buffered(source, False)  # one reader for the group: O_DIRECT spares its CPU
         return StreamResult(
             *scatter(
                 prep.plan,
@@ -92,7 +90,6 @@ class OwnersRead(_Routed):
     """``owners``: every rank reads its own shards from the files; no transport."""
 
     def run(self, prep: Prepared) -> StreamResult:
-        read_buffered(prep.source, True)  # every rank one buffered stream, read ahead by the kernel
         return StreamResult(
             *read_owned(
                 prep.plan,
@@ -158,8 +155,6 @@ class NodeScatter:
         assert prep.served == list(node_ranks)
         failure: BaseException | None = None
         result = StreamResult(0, 0)
-        if group_rank == reader:
-            read_buffered(prep.source, False)  # one reader for the node: O_DIRECT spares its CPU
         try:
             result = StreamResult(
                 *scatter(

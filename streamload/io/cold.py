@@ -152,6 +152,8 @@ class ColdEngine:
     ) -> None:
         self.engine = engine
         self.paths = [f.path for f in files]
+        # The files as opened (headers read from them): a path replaced since is an error.
+        self.fds = [int(getattr(f, "fileno", -1)) for f in files]
         self.sizes = np.array([f.file_size for f in files], dtype=np.int64)
         self.data_starts = np.array([f.data_start for f in files], dtype=np.int64)
         # One reader per lane: a native read call waits for its slowest window, so chunks
@@ -199,7 +201,8 @@ class ColdEngine:
         ``POSIX_FADV_WILLNEED``, then copied out in file order) or O_DIRECT (several reads
         in flight per lane) for the loads to come.
 
-        ``STREAMLOAD_DIRECT_IO=0`` forces buffered and ``=1`` O_DIRECT whatever is asked;
+        ``STREAMLOAD_DIRECT_IO=0`` forces buffered and ``=1`` O_DIRECT (where the file system
+        allows it) whatever is asked;
         with ``drop_cache`` reads stay O_DIRECT, which leaves no pages behind (a buffered
         reader that drops behind it must not let the kernel read ahead).
         """
@@ -319,7 +322,7 @@ class ColdEngine:
             ranges = np.ascontiguousarray(np.stack([st, info[:, 0], base + info[:, 1], info[:, 2]], axis=1))
             reader = self._lanes.get()
             try:
-                s = reader.read(self.paths[f], ranges.ctypes.data, ranges.nbytes)
+                s = reader.read(self.paths[f], ranges.ctypes.data, ranges.nbytes, self.fds[f])
             finally:
                 self._lanes.put(reader)
             self._timeline.add("cold_read", float(s["seconds"]))
