@@ -9,6 +9,7 @@ import importlib.util
 import cases_clients as cases
 import pytest
 from rank_group import RankGroup
+from small_shapes import SMALL_DENSE
 
 from streamload.tools.synthetic import make_checkpoint
 
@@ -22,21 +23,7 @@ if importlib.util.find_spec("areal") is None:
 def ckpts(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     root = tmp_path_factory.mktemp("areal")
     return {
-        "dense": str(
-            make_checkpoint(
-                root / "dense",
-                "qwen2",
-                tie=True,
-                seed=31,
-                layers=2,
-                vocab=97,
-                hidden_size=24,
-                intermediate_size=40,
-                num_attention_heads=4,
-                num_key_value_heads=2,
-                max_shard_size="16KB",
-            )
-        ),
+        "dense": str(make_checkpoint(root / "dense", "qwen2", tie=True, seed=31, **SMALL_DENSE)),
         # transformers 5's save_pretrained writes qwen3_moe one tensor per expert.
         "moe": str(
             make_checkpoint(

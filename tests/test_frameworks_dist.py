@@ -7,6 +7,7 @@ import cases_load as cases
 import pytest
 import torch
 from rank_group import RankGroup
+from small_shapes import SMALL_DENSE
 
 from streamload.tools.synthetic import make_checkpoint
 
@@ -16,15 +17,7 @@ MiB = 1 << 20
 @pytest.fixture(scope="module")
 def ckpts(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     root = tmp_path_factory.mktemp("verl")
-    common = dict(
-        layers=2,
-        vocab=97,
-        hidden_size=24,
-        intermediate_size=40,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_shard_size="16KB",
-    )
+    common = SMALL_DENSE
     return {
         "tied": str(make_checkpoint(root / "tied", "qwen2", tie=True, seed=21, **common)),
         "untied": str(make_checkpoint(root / "untied", "qwen2", tie=False, seed=22, **common)),
