@@ -39,7 +39,7 @@ def case_cold_load(
     read_mode: str,
     readers: str = "src",
     drop_cache: bool = False,
-    buffered: bool = False,
+    direct_io: str | None = None,
     dtype: torch.dtype | None = None,
 ) -> dict | None:
     """Evicts the files, loads with ``read_mode``, measures what stayed in the
@@ -49,8 +49,8 @@ def case_cold_load(
         return None
     mesh, paths = ready
     group = mesh.get_group()
-    if buffered:  # as on a file system that refuses O_DIRECT: reads go through the page cache
-        os.environ["STREAMLOAD_DIRECT_IO"] = "0"
+    if direct_io is not None:  # "1": O_DIRECT reads, "0": buffered (the default)
+        os.environ["STREAMLOAD_DIRECT_IO"] = direct_io
     try:
         sees = readers != "src" or rank == 0
         model = streamload.from_pretrained(

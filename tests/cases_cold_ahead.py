@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
@@ -37,10 +38,19 @@ def _ahead(events: list[tuple[str, int, str]], buckets: int, step: str) -> tuple
 
 
 def case_read_ahead(
-    rank: int, world: int, *, ckpt: str, ws: int, readers: str, chunk: int = 16 << 10, bucket: int = 64 << 10
+    rank: int,
+    world: int,
+    *,
+    ckpt: str,
+    ws: int,
+    readers: str,
+    chunk: int = 16 << 10,
+    bucket: int = 64 << 10,
+    direct_io: str | None = None,
 ) -> dict[str, Any] | None:
     """Evicts the files, loads cold with small buckets and chunks while logging every
-    step, compares with transformers, and returns what the log shows on this rank."""
+    step, compares with transformers, and returns what the log shows on this rank.
+    ``direct_io``: STREAMLOAD_DIRECT_IO for the load ("1": O_DIRECT, default buffered)."""
     ready = evicted_mesh(rank, ckpt, ws)
     if ready is None:
         return None
@@ -58,6 +68,8 @@ def case_read_ahead(
             engines.append(self)
 
     cold.ColdEngine = Recorded  # type: ignore[misc]
+    if direct_io is not None:
+        os.environ["STREAMLOAD_DIRECT_IO"] = direct_io
     try:
         sees = readers != "src" or rank == 0
         with observe() as tl:
@@ -71,6 +83,7 @@ def case_read_ahead(
             )
     finally:
         cold.ColdEngine = made  # type: ignore[misc]
+        os.environ.pop("STREAMLOAD_DIRECT_IO", None)
     dist.barrier(group=group)
     ref = reference(ckpt, None)
     bad = compare_model(model, ref)

@@ -66,7 +66,11 @@ def _check_all(c: Checkpoint, ckpt: str) -> None:
 
 @pytest.mark.parametrize("name", ["tied", "one_file"])
 def test_checkpoint_cold_reads_bit_exact(ckpts: dict[str, str], name: str, monkeypatch) -> None:
-    _check_all(Checkpoint(ckpts[name], mode="cold"), ckpts[name])
+    _check_all(Checkpoint(ckpts[name], mode="cold"), ckpts[name])  # buffered
+    monkeypatch.setenv("STREAMLOAD_DIRECT_IO", "1")
+    c = Checkpoint(ckpts[name], mode="cold")
+    _check_all(c, ckpts[name])
+    assert c.engine.stats.direct_reads > 0 or c.engine.stats.direct_refused
     monkeypatch.setenv("STREAMLOAD_TEST_DIRECT_EINVAL", "1")  # a file system refusing O_DIRECT
     c = Checkpoint(ckpts[name], mode="cold")
     _check_all(c, ckpts[name])
@@ -93,7 +97,7 @@ def test_auto_reads_explicitly_when_the_files_are_cold(ckpts: dict[str, str]) ->
 
 def test_drop_cache_leaves_the_files_out_of_the_page_cache(ckpts: dict[str, str], monkeypatch) -> None:
     paths = _paths(ckpts["one_file"])
-    monkeypatch.setenv("STREAMLOAD_DIRECT_IO", "0")  # buffered reads would fill the cache
+    monkeypatch.delenv("STREAMLOAD_DIRECT_IO", raising=False)  # buffered: reads would fill the cache
     for drop in (False, True):
         cold.evict(paths)
         c = Checkpoint(ckpts["one_file"], mode="cold", drop_cache=drop)
@@ -104,10 +108,11 @@ def test_drop_cache_leaves_the_files_out_of_the_page_cache(ckpts: dict[str, str]
 
 
 @pytest.mark.parametrize("ws", [2, 3])
-@pytest.mark.parametrize("readers", ["src", "owners"])
+@pytest.mark.parametrize(("readers", "direct_io"), [("src", None), ("src", "1"), ("owners", None)])
 def test_cold_load_matches_transformers(
-    group: RankGroup, ckpts: dict[str, str], ws: int, readers: str
+    group: RankGroup, ckpts: dict[str, str], ws: int, readers: str, direct_io: str | None
 ) -> None:
+    """Cold loads bit-exact with transformers: buffered reads (the default) and O_DIRECT."""
     for name in ("tied", "one_file"):
         for dtype in (None, torch.float32):
             res = group.run(
@@ -117,6 +122,7 @@ def test_cold_load_matches_transformers(
                 read_mode="cold",
                 readers=readers,
                 dtype=dtype,
+                direct_io=direct_io,
             )
             assert res[0]["read_mode"] == "cold"
             if any(r["mapped"] for r in res if r):
@@ -128,12 +134,12 @@ def test_auto_and_drop_cache_in_a_load(group: RankGroup, ckpts: dict[str, str]) 
     ckpt = ckpts["tied"]
     res = group.run(cases_cold.case_cold_load, ckpt=ckpt, ws=2, read_mode="auto")
     assert res[0]["read_mode"] == "cold"  # evicted: auto read explicitly
-    res = group.run(cases_cold.case_cold_load, ckpt=ckpt, ws=3, read_mode="cold", buffered=True)
-    assert res[0]["resident"] > 0.5
+    res = group.run(cases_cold.case_cold_load, ckpt=ckpt, ws=3, read_mode="cold")
+    assert res[0]["resident"] > 0.5  # buffered reads leave the pages in the cache
     res = group.run(
-        cases_cold.case_cold_load, ckpt=ckpt, ws=3, read_mode="cold", buffered=True, drop_cache=True
+        cases_cold.case_cold_load, ckpt=ckpt, ws=3, read_mode="cold", direct_io="0", drop_cache=True
     )
-    assert res[0]["resident"] < 0.01
+    assert res[0]["resident"] < 0.01  # even forced buffered: each window dropped behind the reader
 
 
 @pytest.mark.parametrize("chunk", [64, 1000, 4096])
@@ -178,28 +184,29 @@ def test_transposed_source_larger_than_a_chunk_is_cut_not_recursed() -> None:
 @pytest.mark.parametrize(
     ("env", "drop", "direct"), [(None, False, False), ("1", False, True), (None, True, True)]
 )
-def test_owners_read_buffered_unless_direct_is_forced_or_pages_are_dropped(
+def test_reads_buffered_unless_direct_is_forced_or_pages_are_dropped(
     ckpts: dict[str, str], monkeypatch: pytest.MonkeyPatch, env: str | None, drop: bool, direct: bool
 ) -> None:
-    """What the owners strategy asks for: one buffered stream (not one O_DIRECT read),
-    unless STREAMLOAD_DIRECT_IO=1 forces O_DIRECT or drop_cache needs it; the same bytes
-    either way; and a later src load on the same checkpoint reads O_DIRECT again."""
+    """A new engine reads buffered (no O_DIRECT read), unless STREAMLOAD_DIRECT_IO=1
+    forces O_DIRECT or drop_cache needs it; the same bytes either way; and asking the
+    engine for O_DIRECT then reads O_DIRECT."""
     if env is None:
         monkeypatch.delenv("STREAMLOAD_DIRECT_IO", raising=False)
     else:
         monkeypatch.setenv("STREAMLOAD_DIRECT_IO", env)
     c = Checkpoint(ckpts["tied"], mode="cold", drop_cache=drop)
-    cold.read_buffered(c, True)
     assert c.engine.buffered is not direct
     _check_all(c, ckpts["tied"])
     stats = c.engine.stats
     assert stats.reads > 0
     assert (stats.direct_reads > 0 or stats.direct_refused) if direct else stats.direct_reads == 0
-    cold.read_buffered(c, False)
+    c.engine.read_buffered(False)
     assert not c.engine.buffered
     before = stats.direct_reads
     _check_all(c, ckpts["tied"])
     assert stats.direct_reads > before or stats.direct_refused
+    c.engine.read_buffered(True)
+    assert c.engine.buffered is not direct
     c.engine.close()
 
 

@@ -3,10 +3,13 @@
 Reading a cold file through a memory map faults one page (or one readahead
 window) at a time. ``ColdEngine`` stands in for the native ``CopyEngine``:
 before a batch of copy ops runs, the byte spans its ops read from the files
-are read with large aligned preads (several in flight, ``O_DIRECT`` where the
-file system allows it, buffered where it refuses) into one read buffer, laid
-out so that every read lands in place, and the ops are rewritten to copy from
-that buffer. Packing, fusion and casts are the engine's, unchanged.
+are read with large aligned preads into one read buffer, laid out so that every
+read lands in place, and the ops are rewritten to copy from that buffer.
+Packing, fusion and casts are the engine's, unchanged. The reads are buffered
+(each chunk's windows asked of the kernel up front with ``POSIX_FADV_WILLNEED``,
+no readahead beyond them) or ``O_DIRECT`` (several in flight; with
+``drop_cache``, or forced with ``STREAMLOAD_DIRECT_IO=1``; buffered where the
+file system refuses it): see ``ColdEngine.read_buffered``.
 
 Also here: page-cache residency (``mincore``), eviction (``POSIX_FADV_DONTNEED``)
 and the disk's sequential read bandwidth, which ``read_mode="auto"`` and
@@ -162,7 +165,7 @@ class ColdEngine:
         self._lanes: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self.buffered = False
         self._lane_count = lanes
-        self._set_lanes(os.environ.get("STREAMLOAD_DIRECT_IO") == "0")
+        self._set_lanes(self._policy(True))
         self._reader: Any = None  # for prefetch; made on first use (its threads cost a start-up)
         self._stats_lock = threading.Lock()
         self.peak_buffer_bytes = 0  # the most bytes the read buffers held at once
@@ -196,21 +199,27 @@ class ColdEngine:
                 )
             )
 
+    def _policy(self, buffered: bool) -> bool:
+        """``buffered`` after the overrides: ``STREAMLOAD_DIRECT_IO=0`` forces buffered and
+        ``=1`` O_DIRECT (where the file system allows it); with ``drop_cache`` reads stay
+        O_DIRECT, which leaves no pages behind (a buffered reader that drops behind it must
+        not let the kernel read ahead)."""
+        forced = os.environ.get("STREAMLOAD_DIRECT_IO")
+        if forced in ("0", "1"):
+            return forced == "0"
+        return buffered and not self._reader_args[2]
+
     def read_buffered(self, buffered: bool) -> None:
         """Chooses buffered reads (each chunk's windows asked of the kernel up front with
         ``POSIX_FADV_WILLNEED``, then copied out in file order) or O_DIRECT (several reads
-        in flight per lane) for the loads to come.
+        in flight per lane) for the loads to come, subject to the overrides of ``_policy``.
 
-        ``STREAMLOAD_DIRECT_IO=0`` forces buffered and ``=1`` O_DIRECT (where the file system
-        allows it) whatever is asked;
-        with ``drop_cache`` reads stay O_DIRECT, which leaves no pages behind (a buffered
-        reader that drops behind it must not let the kernel read ahead).
+        A new engine reads buffered: on the disks measured (``streamload bench --cold``,
+        README) the kernel's page cache served a cold checkpoint faster than O_DIRECT reads
+        in every reader mode; ``STREAMLOAD_DIRECT_IO=1`` is for disks where O_DIRECT wins
+        (the bench prints both rates) or CPU is short.
         """
-        forced = os.environ.get("STREAMLOAD_DIRECT_IO")
-        if forced in ("0", "1"):
-            buffered = forced == "0"
-        elif self._reader_args[2]:
-            buffered = False
+        buffered = self._policy(buffered)
         if buffered == self.buffered:
             return
         self._ahead.drain()  # no read in flight uses the old readers
@@ -457,18 +466,3 @@ class ColdEngine:
             ahead.drain()  # no read may still be writing into a buffer, none is kept
             raise
         return done
-
-
-def read_buffered(source: object, buffered: bool) -> None:
-    """Sets how ``source``'s cold reads go (see ``ColdEngine.read_buffered``); a source
-    that does not read cold is left as it is.
-
-    Where every rank reads its own shards, buffered reads beat O_DIRECT on a disk that
-    serves the page cache faster than direct reads (measured on this 2-core VM's virtio
-    disk, 1.5 GB dense, owners at 4 ranks: medians 1.10 and 1.12 s against 1.31 and
-    1.34 s; at 2 ranks even); where one reader serves many, O_DIRECT keeps its CPU for
-    packing (src at 4 ranks: 1.12-1.34 s against 1.54-1.73 s buffered).
-    """
-    engine = getattr(source, "engine", None)
-    if isinstance(engine, ColdEngine):
-        engine.read_buffered(buffered)

@@ -20,7 +20,6 @@ from ..dist.strategies import ReaderStrategy, make_strategy
 from ..dist.stream import Shards
 from ..errors import KeyMismatchError, PlacementError
 from ..io.checkpoint import Checkpoint
-from ..io.cold import read_buffered
 from ..io.copy_ops import worker_threads
 from ..io.sources import Source, as_source
 from ..model.fsdp_ties import agree_ties, tie_layout
@@ -287,9 +286,6 @@ def prepare(
             model, options, clock, state, group, device, rank, group_rank, src_group_rank, choice, meta,
             local, len(digests),
         )  # fmt: skip
-        # Owners read buffered, a reader serving others O_DIRECT (cold.read_buffered): set
-        # here, so that failing to make the readers is agreed on like any other failure.
-        read_buffered(prep.source, choice.mode is ReaderMode.OWNERS)
     except BaseException as exc:  # noqa: BLE001 - reported to every rank, then re-raised
         error = exc
     try:
