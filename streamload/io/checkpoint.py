@@ -165,9 +165,9 @@ class Checkpoint:
     Args:
         path: a single ``.safetensors`` file, or a directory holding
             ``model.safetensors.index.json`` or several ``.safetensors`` files.
-        mode: ``"mmap"``, ``"pread"``, ``"cold"`` (explicit large aligned reads,
-            several in flight, O_DIRECT where the file system allows it: for files
-            not in the page cache) or ``"auto"``: cold when less than half of the
+        mode: ``"mmap"``, ``"pread"``, ``"cold"`` (explicit large aligned reads for
+            files not in the page cache: buffered, or O_DIRECT with ``drop_cache`` or
+            ``STREAMLOAD_DIRECT_IO=1``; see ``cold.ColdEngine``) or ``"auto"``: cold when less than half of the
             files' pages are cached (``mincore``), else mapped (pread where mmap fails).
         threads: copy threads (default: the CPUs available).
         drop_cache: cold reads drop what they read from the page cache behind them.

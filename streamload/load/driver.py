@@ -60,9 +60,10 @@ def load_checkpoint(
         process_group: group to load over (default: the default group).
         device_mesh: the mesh the model is sharded on (for the device type).
         threads: native copy threads on the reader.
-        read_mode: how the reader reads the files: "mmap", "pread", "cold" (large aligned reads,
-            several in flight, O_DIRECT where the file system allows it, for files not in the page
-            cache) or "auto" (the default: cold when less than half of the files is in the page
+        read_mode: how the reader reads the files: "mmap", "pread", "cold" (large aligned reads in
+            file order, read ahead across buckets, for files not in the page cache: buffered, each
+            window asked of the kernel up front; O_DIRECT with ``drop_cache`` or
+            ``STREAMLOAD_DIRECT_IO=1``) or "auto" (the default: cold when less than half of the files is in the page
             cache, measured with mincore, else mmap). The choice is in ``LoadReport.read_mode``.
         drop_cache: leave the checkpoint out of the page cache (for hosts whose memory training
             needs): cold reads drop each window behind them; other modes evict the files at the end.
