@@ -1,13 +1,18 @@
 """Cold loads with buffered reads (the default) against O_DIRECT reads, interleaved.
 
-One warm rank group per variant (``BenchGroup``: processes started once, the model's
-modules imported before the clock starts), created with ``STREAMLOAD_DIRECT_IO`` set
-to "0" (buffered) or "1" (O_DIRECT); the variants take turns within each repeat, so a
-slow patch of the shared disk hits both. Before every load the checkpoint is evicted
-and checked with mincore (``make_cold``). Prints each load, then per variant the median
-load + first-touch seconds with min-max, and the ratio of the medians.
+Each variant's ranks are started with ``STREAMLOAD_DIRECT_IO`` set to "0" (buffered,
+what a load without ``drop_cache`` does by default) or "1" (O_DIRECT). By default one
+warm rank group per variant (``BenchGroup``: processes started once, the model's modules
+imported before the clock starts) serves every load; ``--fresh`` starts a new group for
+every load instead, as ``streamload bench`` does (first-call costs included). The variants
+take turns within each repeat, so a slow patch of the shared disk hits both. Before every
+load the checkpoint is evicted and checked with mincore (``make_cold``). Prints each load,
+then per variant the median load + first-touch seconds with min-max, the median CPU
+seconds of rank 0 (the reader in ``src``) and of all ranks together, and the ratio of the
+medians. A buffered read costs a kernel copy per byte that O_DIRECT does not: the CPU
+columns show what the wall time buys it.
 
-    python benchmarks/bench_direct_io.py CKPT --ranks 2 4 --repeat 6 --strategy streamload
+    python benchmarks/bench_direct_io.py CKPT --ranks 2 4 --repeat 6 [--fresh] [--strategy streamload]
 
 ``--strategy`` is a ``streamload bench`` strategy: ``streamload`` (src: rank 0 reads and
 scatters) or ``streamload_owners`` (every rank reads its own shards).
@@ -18,40 +23,60 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
+from dataclasses import dataclass, field
 
 from streamload.tools.bench.runner import BenchGroup
 
 VARIANTS = {"buffered": "0", "o_direct": "1"}
 
 
+def _group(world: int, name: str) -> BenchGroup:
+    """A rank group whose processes read as ``name`` says (they inherit the variable)."""
+    saved = os.environ.get("STREAMLOAD_DIRECT_IO")
+    os.environ["STREAMLOAD_DIRECT_IO"] = VARIANTS[name]
+    try:
+        return BenchGroup(world)
+    finally:
+        if saved is None:
+            os.environ.pop("STREAMLOAD_DIRECT_IO", None)
+        else:
+            os.environ["STREAMLOAD_DIRECT_IO"] = saved
+
+
 def _groups(world: int) -> dict[str, BenchGroup]:
-    groups = {}
-    for name, value in VARIANTS.items():
-        saved = os.environ.get("STREAMLOAD_DIRECT_IO")
-        os.environ["STREAMLOAD_DIRECT_IO"] = value  # the spawned ranks inherit it
-        try:
-            groups[name] = BenchGroup(world)
-        finally:
-            if saved is None:
-                os.environ.pop("STREAMLOAD_DIRECT_IO", None)
-            else:
-                os.environ["STREAMLOAD_DIRECT_IO"] = saved
-    return groups
+    return {name: _group(world, name) for name in VARIANTS}
 
 
-def run(ckpt: str, world: int, repeat: int, strategy: str) -> dict[str, list[float]]:
-    """Interleaved cold loads; returns load + first-touch seconds per variant."""
-    groups = _groups(world)
-    out: dict[str, list[float]] = {name: [] for name in groups}
+@dataclass
+class Loads:
+    """One variant's loads: wall seconds (load + first touch) and CPU seconds."""
+
+    seconds: list[float] = field(default_factory=list)
+    rank0_cpu: list[float] = field(default_factory=list)
+    total_cpu: list[float] = field(default_factory=list)
+
+
+def run(ckpt: str, world: int, repeat: int, strategy: str, fresh: bool = False) -> dict[str, Loads]:
+    """Interleaved cold loads, per variant; ``fresh``: new rank processes for every load."""
+    groups = {} if fresh else _groups(world)
+    out: dict[str, Loads] = {name: Loads() for name in VARIANTS}
     try:
         for i in range(repeat):
-            for name, group in groups.items():
-                r = group.run(strategy, ckpt, verify=i == 0, cold=True)
+            for name in VARIANTS:
+                group = _group(world, name) if fresh else groups[name]
+                try:
+                    r = group.run(strategy, ckpt, verify=i == 0, cold=True)
+                finally:
+                    if fresh:
+                        group.close()
                 if not r.ok:
                     raise SystemExit(f"{name}: {r.error}")
                 if r.correct is False:
                     raise SystemExit(f"{name}: differs from transformers: {r.mismatched[:5]}")
-                out[name].append(r.seconds + r.touch_seconds)
+                loads = out[name]
+                loads.seconds.append(r.seconds + r.touch_seconds)
+                loads.rank0_cpu.append(r.cpu_seconds[0])
+                loads.total_cpu.append(sum(r.cpu_seconds))
                 print(
                     f"{world} ranks {name:9s} #{i + 1}: {r.seconds + r.touch_seconds:.2f} s, "
                     f"resident before {r.resident_before:.1%}, cpu {r.cpu_seconds}, "
@@ -70,22 +95,29 @@ def main() -> None:
     p.add_argument("--ranks", type=int, nargs="+", default=[2])
     p.add_argument("--repeat", type=int, default=6)
     p.add_argument("--strategy", default="streamload")
+    p.add_argument("--fresh", action="store_true", help="new rank processes for every load")
     args = p.parse_args()
     name = os.path.basename(os.path.normpath(args.checkpoint))
+    groups = "fresh" if args.fresh else "warm"
     rows = []
     for world in args.ranks:
-        res = run(args.checkpoint, world, args.repeat, args.strategy)
-        med = {k: statistics.median(v) for k, v in res.items()}
+        res = run(args.checkpoint, world, args.repeat, args.strategy, args.fresh)
+        med = {k: statistics.median(v.seconds) for k, v in res.items()}
         for k, v in res.items():
             rows.append(
-                f"| {name} | {world} | {args.strategy} | {k} | {med[k]:.2f} ({min(v):.2f}-{max(v):.2f}) |"
+                f"| {name} | {world} | {args.strategy} | {groups} | {k} | "
+                f"{med[k]:.2f} ({min(v.seconds):.2f}-{max(v.seconds):.2f}) | "
+                f"{statistics.median(v.rank0_cpu):.2f} | {statistics.median(v.total_cpu):.2f} |"
             )
         rows.append(
-            f"| {name} | {world} | {args.strategy} | buffered / o_direct | "
-            f"{med['buffered'] / med['o_direct']:.2f}x |"
+            f"| {name} | {world} | {args.strategy} | {groups} | buffered / o_direct | "
+            f"{med['buffered'] / med['o_direct']:.2f}x | | |"
         )
-    print("| checkpoint | ranks | strategy | reads | load + touch s, median (min-max) |")
-    print("|---|---|---|---|---|")
+    print(
+        "| checkpoint | ranks | strategy | groups | reads | load + touch s, median (min-max) "
+        "| rank 0 CPU s | all ranks CPU s |"
+    )
+    print("|---|---|---|---|---|---|---|---|")
     print("\n".join(rows))
 
 

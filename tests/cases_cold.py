@@ -41,16 +41,33 @@ def case_cold_load(
     drop_cache: bool = False,
     direct_io: str | None = None,
     dtype: torch.dtype | None = None,
+    nodes: int = 0,
 ) -> dict | None:
     """Evicts the files, loads with ``read_mode``, measures what stayed in the
-    page cache, then compares every parameter with transformers."""
+    page cache, then compares every parameter with transformers. ``direct_io``:
+    STREAMLOAD_DIRECT_IO for the load ("1": O_DIRECT, "0": buffered, None: the
+    default); ``nodes``: simulated nodes (STREAMLOAD_NODE), for ``readers="node"``."""
     ready = evicted_mesh(rank, ckpt, ws)
     if ready is None:
         return None
     mesh, paths = ready
     group = mesh.get_group()
-    if direct_io is not None:  # "1": O_DIRECT reads, "0": buffered (the default)
+    engines: list[cold.ColdEngine] = []
+    made = cold.ColdEngine
+
+    class Recorded(made):  # type: ignore[misc, valid-type]
+        """The load's own engine, kept for its figures."""
+
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            engines.append(self)
+
+    saved = {k: os.environ.get(k) for k in ("STREAMLOAD_DIRECT_IO", "STREAMLOAD_NODE")}
+    if direct_io is not None:
         os.environ["STREAMLOAD_DIRECT_IO"] = direct_io
+    if nodes:
+        os.environ["STREAMLOAD_NODE"] = str(rank * nodes // ws)
+    cold.ColdEngine = Recorded  # type: ignore[misc]
     try:
         sees = readers != "src" or rank == 0
         model = streamload.from_pretrained(
@@ -64,7 +81,12 @@ def case_cold_load(
             drop_cache=drop_cache,
         )
     finally:
-        os.environ.pop("STREAMLOAD_DIRECT_IO", None)
+        cold.ColdEngine = made  # type: ignore[misc]
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
     dist.barrier(group=group)
     resident = cold.residency(paths)  # before transformers maps the files
     dist.barrier(group=group)
@@ -73,9 +95,15 @@ def case_cold_load(
     assert not bad, f"differ from transformers: {bad}"
     assert tied(model) == tied(ref)
     rep = model.streamload_report
+    stats = [e.stats for e in engines]
     return {
         "resident": resident,
         "read_mode": rep.read_mode,
         "reader": rep.reader,
         "mapped": rep.bytes_mapped,
+        # This rank's cold reads (None where it opened no cold checkpoint).
+        "buffered": engines[-1].buffered if engines else None,
+        "cold_reads": sum(st.reads for st in stats),
+        "direct_reads": sum(st.direct_reads for st in stats),
+        "direct_refused": any(st.direct_refused for st in stats),
     }

@@ -68,6 +68,7 @@ def case_read_ahead(
             engines.append(self)
 
     cold.ColdEngine = Recorded  # type: ignore[misc]
+    saved = os.environ.get("STREAMLOAD_DIRECT_IO")
     if direct_io is not None:
         os.environ["STREAMLOAD_DIRECT_IO"] = direct_io
     try:
@@ -83,7 +84,10 @@ def case_read_ahead(
             )
     finally:
         cold.ColdEngine = made  # type: ignore[misc]
-        os.environ.pop("STREAMLOAD_DIRECT_IO", None)
+        if saved is None:
+            os.environ.pop("STREAMLOAD_DIRECT_IO", None)
+        else:
+            os.environ["STREAMLOAD_DIRECT_IO"] = saved
     dist.barrier(group=group)
     ref = reference(ckpt, None)
     bad = compare_model(model, ref)

@@ -232,7 +232,9 @@ def test_src_reads_bucket_k1_before_bucket_k_is_scattered(
     ahead, eligible = r0["ahead_of_scatter"]
     assert eligible >= 3 and ahead == eligible, r0
     if direct_io == "1":
-        assert not r0["buffered"] and (r0["direct_reads"] > 0 or r0["direct_refused"]), r0
+        if r0["direct_refused"]:
+            pytest.skip("this file system refuses O_DIRECT")
+        assert not r0["buffered"] and r0["direct_reads"] > 0, r0
     else:
         assert r0["buffered"] and r0["direct_reads"] == 0, r0
 

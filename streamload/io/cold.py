@@ -133,7 +133,8 @@ class ColdEngine:
     Args:
         engine: the native CopyEngine that runs the rewritten ops.
         files: the checkpoint's opened files (``SafetensorsFile``), in file-index order.
-        threads: reads in flight, all lanes together (0: the native default).
+        threads: O_DIRECT reads in flight, all lanes together (0: the native default); a buffered
+            lane reads with one thread (the kernel reads all the windows it was asked for at once).
         block_bytes: bytes per read.
         chunk_bytes: source bytes per chunk (per read buffer).
         drop_cache: drop each window from the page cache once read.
