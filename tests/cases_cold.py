@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import gc
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +32,33 @@ def evicted_mesh(rank: int, ckpt: str, ws: int) -> tuple[Any, list[str]] | None:
     return mesh, paths
 
 
+@contextmanager
+def recorded_engines(env: dict[str, str | None], **engine_kwargs: Any) -> Iterator[list[cold.ColdEngine]]:
+    """Inside: every ColdEngine made is kept in the yielded list (built with ``engine_kwargs``
+    on top of the caller's), and the variables in ``env`` are set (None: left as they are);
+    both are put back on the way out, so later cases in the same rank process see neither."""
+    engines: list[cold.ColdEngine] = []
+    made = cold.ColdEngine
+
+    class Recorded(made):  # type: ignore[misc, valid-type]
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **{**kwargs, **engine_kwargs})
+            engines.append(self)
+
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update({k: v for k, v in env.items() if v is not None})
+    cold.ColdEngine = Recorded  # type: ignore[misc]
+    try:
+        yield engines
+    finally:
+        cold.ColdEngine = made  # type: ignore[misc]
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
 def case_cold_load(
     rank: int,
     world: int,
@@ -52,23 +81,8 @@ def case_cold_load(
         return None
     mesh, paths = ready
     group = mesh.get_group()
-    engines: list[cold.ColdEngine] = []
-    made = cold.ColdEngine
-
-    class Recorded(made):  # type: ignore[misc, valid-type]
-        """The load's own engine, kept for its figures."""
-
-        def __init__(self, *args: Any, **kwargs: Any) -> None:
-            super().__init__(*args, **kwargs)
-            engines.append(self)
-
-    saved = {k: os.environ.get(k) for k in ("STREAMLOAD_DIRECT_IO", "STREAMLOAD_NODE")}
-    if direct_io is not None:
-        os.environ["STREAMLOAD_DIRECT_IO"] = direct_io
-    if nodes:
-        os.environ["STREAMLOAD_NODE"] = str(rank * nodes // ws)
-    cold.ColdEngine = Recorded  # type: ignore[misc]
-    try:
+    env = {"STREAMLOAD_DIRECT_IO": direct_io, "STREAMLOAD_NODE": str(rank * nodes // ws) if nodes else None}
+    with recorded_engines(env) as engines:
         sees = readers != "src" or rank == 0
         model = streamload.from_pretrained(
             ckpt if sees else MISSING_PATH,
@@ -80,13 +94,6 @@ def case_cold_load(
             read_mode=read_mode,
             drop_cache=drop_cache,
         )
-    finally:
-        cold.ColdEngine = made  # type: ignore[misc]
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
     dist.barrier(group=group)
     resident = cold.residency(paths)  # before transformers maps the files
     dist.barrier(group=group)

@@ -2,16 +2,14 @@
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
-from cases_cold import evicted_mesh
+from cases_cold import evicted_mesh, recorded_engines
 from cases_load import MISSING_PATH, compare_model, reference, tied
 
 import streamload
-from streamload.io import cold
 from streamload.timeline import observe
 
 
@@ -56,22 +54,8 @@ def case_read_ahead(
         return None
     mesh, paths = ready
     group = mesh.get_group()
-    engines: list[cold.ColdEngine] = []
-    made = cold.ColdEngine
-
-    class Recorded(made):  # type: ignore[misc, valid-type]
-        """The load's own engine with small chunks, kept for its figures."""
-
-        def __init__(self, *args: Any, **kwargs: Any) -> None:
-            kwargs["chunk_bytes"] = chunk
-            super().__init__(*args, **kwargs)
-            engines.append(self)
-
-    cold.ColdEngine = Recorded  # type: ignore[misc]
-    saved = os.environ.get("STREAMLOAD_DIRECT_IO")
-    if direct_io is not None:
-        os.environ["STREAMLOAD_DIRECT_IO"] = direct_io
-    try:
+    # The load's own engine with small chunks, kept for its figures.
+    with recorded_engines({"STREAMLOAD_DIRECT_IO": direct_io}, chunk_bytes=chunk) as engines:
         sees = readers != "src" or rank == 0
         with observe() as tl:
             model = streamload.from_pretrained(
@@ -82,12 +66,6 @@ def case_read_ahead(
                 readers=readers,
                 read_mode="cold",
             )
-    finally:
-        cold.ColdEngine = made  # type: ignore[misc]
-        if saved is None:
-            os.environ.pop("STREAMLOAD_DIRECT_IO", None)
-        else:
-            os.environ["STREAMLOAD_DIRECT_IO"] = saved
     dist.barrier(group=group)
     ref = reference(ckpt, None)
     bad = compare_model(model, ref)
