@@ -113,4 +113,5 @@ def case_cold_load(
         "cold_reads": sum(st.reads for st in stats),
         "direct_reads": sum(st.direct_reads for st in stats),
         "direct_refused": any(st.direct_refused for st in stats),
+        "in_place_bytes": sum(st.in_place_bytes for st in stats),
     }

@@ -45,17 +45,21 @@ def case_read_ahead(
     chunk: int = 16 << 10,
     bucket: int = 64 << 10,
     direct_io: str | None = None,
+    in_place: bool = True,
 ) -> dict[str, Any] | None:
     """Evicts the files, loads cold with small buckets and chunks while logging every
     step, compares with transformers, and returns what the log shows on this rank.
-    ``direct_io``: STREAMLOAD_DIRECT_IO for the load ("1": O_DIRECT, default buffered)."""
+    ``direct_io``: STREAMLOAD_DIRECT_IO for the load ("1": O_DIRECT, default buffered);
+    ``in_place``: the engine's (False: every read goes through the read buffers)."""
     ready = evicted_mesh(rank, ckpt, ws)
     if ready is None:
         return None
     mesh, paths = ready
     group = mesh.get_group()
     # The load's own engine with small chunks, kept for its figures.
-    with recorded_engines({"STREAMLOAD_DIRECT_IO": direct_io}, chunk_bytes=chunk) as engines:
+    with recorded_engines(
+        {"STREAMLOAD_DIRECT_IO": direct_io}, chunk_bytes=chunk, in_place=in_place
+    ) as engines:
         sees = readers != "src" or rank == 0
         with observe() as tl:
             model = streamload.from_pretrained(
@@ -88,6 +92,9 @@ def case_read_ahead(
             ),
             reads=engine.stats.reads,
             peak_buffer_bytes=engine.peak_buffer_bytes,
+            in_place_bytes=engine.stats.in_place_bytes,
+            peak_staging_bytes=rep.peak_staging_bytes,
+            bucket_bytes=rep.bucket_bytes,
             direct_reads=engine.stats.direct_reads,
             direct_refused=engine.stats.direct_refused,
             buffered=engine.buffered,

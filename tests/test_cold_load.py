@@ -131,7 +131,8 @@ def test_cold_load_matches_transformers(
     group: RankGroup, ckpts: dict[str, str], ws: int, readers: str, direct_io: str | None
 ) -> None:
     """Cold loads bit-exact with transformers in every reader mode ("node": two simulated
-    nodes), every reader reading buffered (the default) or O_DIRECT (forced)."""
+    nodes), every reader reading buffered (the default; plain copies land in their
+    destinations, casts go through the read buffers) or O_DIRECT (forced)."""
     refused = False
     for name in ("tied", "one_file"):
         for dtype in (None, torch.float32):
@@ -153,8 +154,11 @@ def test_cold_load_matches_transformers(
                 refused |= r["direct_refused"]
                 if direct_io == "1":
                     assert not r["buffered"] and (r["direct_reads"] > 0 or r["direct_refused"]), r
+                    assert r["in_place_bytes"] == 0, r
                 else:
                     assert r["buffered"] and r["direct_reads"] == 0, r
+                    # Plain copies (no cast: the checkpoint's dtype) land in place.
+                    assert r["in_place_bytes"] > 0 or dtype is not None, r
             if any(r["mapped"] for r in res if r):
                 # Shards that are views of cold files were prefetched into the page cache.
                 assert res[0]["resident"] > 0
@@ -279,4 +283,104 @@ def test_a_file_replaced_after_open_is_an_error_not_a_mix(
     c.engine.read_buffered(not c.engine.buffered)  # new readers open the path again
     with pytest.raises(CheckpointFileError, match="replaced after the checkpoint was opened"):
         c.read(name)
+    c.engine.close()
+
+
+@pytest.mark.parametrize(("in_place", "direct_io"), [(True, None), (False, None), (True, "1")])
+def test_plain_copies_land_in_place_the_rest_through_the_buffers(
+    ckpts: dict[str, str], monkeypatch: pytest.MonkeyPatch, in_place: bool, direct_io: str | None
+) -> None:
+    """One batch mixing every kind of copy: buffered, the plain ones (a whole tensor, a row
+    slice) are read straight into their destinations; a column slice, a cast, and two
+    copies of one tensor go through the read buffers. Same bytes and same byte count as
+    the mapped engine in every mode; nothing lands in place when turned off or O_DIRECT."""
+    from streamload.io.copy_ops import OpBatch
+
+    monkeypatch.delenv("STREAMLOAD_IN_PLACE", raising=False)
+    if direct_io is None:
+        monkeypatch.delenv("STREAMLOAD_DIRECT_IO", raising=False)
+    else:
+        monkeypatch.setenv("STREAMLOAD_DIRECT_IO", direct_io)
+    ckpt = ckpts["one_file"]
+    c = Checkpoint(ckpt, mode="cold")
+    c.engine = cold.ColdEngine(c.engine.engine, c.files, in_place=in_place)
+    with safe_open(_paths(ckpt)[0], "pt") as f:
+        names = [
+            k
+            for k in sorted(f.keys())
+            if f.get_slice(k).get_shape()[0] > 4 and len(f.get_slice(k).get_shape()) == 2
+        ]
+        refs = {k: f.get_tensor(k) for k in names[:5]}
+    whole, rows, cols, cast, twice = refs
+    batch = OpBatch()
+    out: dict[str, torch.Tensor] = {}
+    expect: dict[str, torch.Tensor] = {}
+
+    def add(tag: str, key: str, region: tuple[slice, slice], dtype: torch.dtype) -> None:
+        info, ref = c.info(key), refs[key]
+        part = ref[region].to(dtype)
+        dst = out[tag] = torch.zeros(part.shape, dtype=dtype)
+        expect[tag] = part
+        n_cols = ref.shape[1]
+        r0, c0 = region[0].start or 0, region[1].start or 0
+        batch.add(
+            file=info.file_index,
+            src=info.begin,
+            src_nbytes=info.nbytes,
+            src_dtype=info.dtype,
+            dst=dst,
+            dst_dtype={torch.bfloat16: "BF16", torch.float32: "F32"}[dtype],
+            shape=list(part.shape),
+            src_strides=[n_cols, 1],
+            dst_strides=[part.shape[1], 1],
+            src_offset=r0 * n_cols + c0,
+        )
+
+    add("whole", whole, (slice(None), slice(None)), torch.bfloat16)
+    add("rows", rows, (slice(1, -1), slice(None)), torch.bfloat16)
+    add("cols", cols, (slice(None), slice(2, 9)), torch.bfloat16)
+    add("cast", cast, (slice(None), slice(None)), torch.float32)
+    add("twice_a", twice, (slice(None), slice(None)), torch.bfloat16)
+    add("twice_b", twice, (slice(0, 3), slice(None)), torch.bfloat16)
+    nbytes = batch.execute(c.engine, c.files)
+    assert nbytes == sum(v.numel() * 2 for v in expect.values())  # source bytes, as the mapped engine
+    for tag, ref in expect.items():
+        assert torch.equal(bit_view(out[tag]), bit_view(ref)), tag
+    landed = (expect["whole"].numel() + expect["rows"].numel()) * 2
+    stats = c.engine.stats
+    if not c.engine.buffered:
+        assert stats.in_place_bytes == 0 and (stats.direct_reads > 0 or stats.direct_refused)
+    else:
+        assert stats.in_place_bytes == (landed if in_place else 0)
+    c.engine.close()
+
+
+def test_plain_copy_past_its_destination_is_the_engines_error(ckpts: dict[str, str]) -> None:
+    """A plain copy whose destination is too small is not read in place: the engine
+    reports it as it does for every mode, and nothing is written past the buffer."""
+    from streamload.errors import CopyOpError
+    from streamload.io.copy_ops import ITEMSIZE, OpBatch
+
+    ckpt = ckpts["one_file"]
+    c = Checkpoint(ckpt, mode="cold")
+    assert c.engine.buffered and c.engine.lands_in_place
+    key = max(c.keys(), key=lambda k: c.info(k).nbytes)
+    info = c.info(key)
+    room = torch.zeros(info.nbytes + 64, dtype=torch.uint8)
+    batch = OpBatch()
+    batch.add(
+        file=info.file_index,
+        src=info.begin,
+        src_nbytes=info.nbytes,
+        src_dtype=info.dtype,
+        dst=room,
+        dst_dtype=info.dtype,
+        dst_nbytes=info.nbytes - 2,
+        shape=[info.nbytes // ITEMSIZE[info.dtype]],
+        src_strides=[1],
+        dst_strides=[1],
+    )
+    with pytest.raises(CopyOpError, match="outside the destination"):
+        batch.execute(c.engine, c.files)
+    assert not room.any() and c.engine.stats.in_place_bytes == 0  # checked before any write
     c.engine.close()

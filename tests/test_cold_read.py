@@ -169,6 +169,22 @@ def test_subranges_and_gaps(unaligned: Path) -> None:
                 assert bytes(d.numpy()) == whole[off : off + n]
 
 
+@pytest.mark.parametrize("piece", [1000, 4096, 64 << 10, 300_001])
+def test_buffered_window_of_adjacent_ranges(tmp_path: Path, piece: int) -> None:
+    """Buffered: one window over many adjacent ranges, each into its own destination.
+    Short ranges share one read into a bounce buffer; ranges of 64 KiB or more on
+    average are read one by one straight into their destinations. The same bytes."""
+    p = tmp_path / "adjacent.bin"
+    data = torch.randint(0, 256, (6 * piece + 11,), generator=torch.Generator().manual_seed(piece))
+    p.write_bytes(bytes(data.to(torch.uint8).numpy()))
+    whole = p.read_bytes()
+    rows = [(5 + i * piece, piece, torch.zeros(piece, dtype=torch.uint8)) for i in range(6)]
+    stats = _read(ext.ColdReader(block_bytes=64 << 20, direct="off"), p, rows)
+    assert stats["windows"] == 1 and stats["bytes_read"] == 6 * piece
+    for off, n, d in rows:
+        assert bytes(d.numpy()) == whole[off : off + n]
+
+
 def test_direct_refused_falls_back(unaligned: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A file system that refuses O_DIRECT (EINVAL on read): buffered, same bytes."""
     monkeypatch.setenv("STREAMLOAD_TEST_DIRECT_EINVAL", "1")

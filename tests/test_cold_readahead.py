@@ -261,17 +261,33 @@ def test_owners_read_ahead_bit_exact(group: RankGroup, ckpts: dict[str, str]) ->
 
 
 def test_read_buffers_bounded_whatever_the_checkpoint_size(group: RankGroup, ckpts: dict[str, str]) -> None:
-    peaks = {}
-    for name in ("small", "large"):
-        res = group.run(cases_cold_ahead.case_read_ahead, ckpt=ckpts[name], ws=3, readers="src", chunk=8192)
-        peaks[name] = res[0]
-    small, large = peaks["small"], peaks["large"]
+    """Four read buffers of one chunk, however many buckets were read ahead: every read
+    through them (in_place=False), or by default the plain copies (here, all of them)
+    land in place and the buffers stay empty; then the reader's ring holds one slot more
+    than buckets in flight (bucket k+1's reads land in its slot while bucket k-1 is sent)."""
+    runs = {}
+    for in_place in (False, True):
+        for name in ("small", "large"):
+            res = group.run(
+                cases_cold_ahead.case_read_ahead,
+                ckpt=ckpts[name],
+                ws=3,
+                readers="src",
+                chunk=8192,
+                in_place=in_place,
+            )
+            runs[name, in_place] = res[0]
+    small, large = runs["small", False], runs["large", False]
     assert large["file_bytes"] > 3 * small["file_bytes"]
-    # Four buffers of one chunk (plus alignment), however many buckets were read ahead.
+    assert large["buckets"] > 2 * small["buckets"]
     bound = 4 * (8192 + 3 * 4096)
     assert 0 < large["peak_buffer_bytes"] <= bound, large
     assert large["peak_buffer_bytes"] <= small["peak_buffer_bytes"] + 4 * 4096, (small, large)
-    assert large["buckets"] > 2 * small["buckets"]
+    assert large["in_place_bytes"] == 0, large
+    landed = runs["large", True]
+    assert landed["peak_buffer_bytes"] == 0 and landed["in_place_bytes"] > 0.9 * landed["file_bytes"], landed
+    # Two slots through the buffers, three when reads land in the slots (same plan, same buckets).
+    assert 2 * landed["peak_staging_bytes"] == 3 * large["peak_staging_bytes"], (large, landed)
 
 
 @pytest.mark.parametrize("readers", ["src", "owners"])

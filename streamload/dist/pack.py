@@ -188,6 +188,13 @@ class Packer:
             self.quant,
         )
 
+    @property
+    def lands_ahead(self) -> bool:
+        """True when the checkpoint's engine reads announced batches ahead straight into
+        their destinations (cold, buffered: ``ColdEngine.lands_ahead``): ``upcoming`` must
+        then name a slot that nothing reads or writes until that bucket is packed."""
+        return bool(getattr(self.ckpt.engine, "lands_ahead", False))
+
     def check_source(self) -> None:
         """Raises CheckpointFileError if a file shrank since it was opened (a
         mapped page past the new end would otherwise fault)."""
@@ -251,9 +258,10 @@ class Packer:
 
         With ``only``, packs that rank's segments alone: into its shards when
         it is the bucket's direct rank, else to the start of ``slot``. When the
-        pipeline set ``upcoming`` (the bucket packed next and its slot, not in use
-        until then), that bucket's reads may start now, while this one is copied
-        and scattered; it is consumed by this call.
+        pipeline set ``upcoming`` (the bucket packed next and its slot, which nothing
+        reads or writes until then where ``lands_ahead``), that bucket's reads may start
+        now and land in its slot, while this one is copied and scattered; it is
+        consumed by this call.
         """
         then, self.upcoming = self.upcoming, None
         need = bucket.wire_total if only is None else bucket.wire_bytes(only)

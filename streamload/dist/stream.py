@@ -205,7 +205,10 @@ def _stream(
             nslots = min(slots, len(plan.buckets))
             stager = open_stager(device, nslots, plan.max_bucket_bytes)
             if stager is None:
-                ring = StagingRing(nslots, plan.max_bucket_bytes)
+                # Bucket k+1's reads may land in its slot while bucket k is packed and the
+                # buckets before it are in flight: one slot more than buckets in flight.
+                ahead = packer.lands_ahead and len(plan.buckets) > nslots
+                ring = StagingRing(nslots + 1 if ahead else nslots, plan.max_bucket_bytes)
             packer.bytes_read = 0
         recv_ring = [
             torch.empty(recv_len, dtype=torch.uint8, device=device) for _ in range(depth if recv_len else 1)
@@ -243,8 +246,9 @@ def _stream(
                             send = stager.push(k, packer.pack(bucket, stager.host(k)))
                         else:
                             assert ring is not None
-                            # Bucket k+1's slot is written only when k+1 is packed, after the
-                            # transport that reads it (bucket k-1) finished: its reads may start now.
+                            # Bucket k+1's reads may start now. They land in its slot only
+                            # where the ring has a slot more than buckets in flight (then no
+                            # transport reads that slot); else in the engine's read buffers.
                             last = k + 1 == len(plan.buckets)
                             packer.upcoming = None if last else (plan.buckets[k + 1], ring[k + 1])
                             send = packer.pack(bucket, ring[k])

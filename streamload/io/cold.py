@@ -5,11 +5,13 @@ window) at a time. ``ColdEngine`` stands in for the native ``CopyEngine``:
 before a batch of copy ops runs, the byte spans its ops read from the files
 are read with large aligned preads into one read buffer, laid out so that every
 read lands in place, and the ops are rewritten to copy from that buffer.
-Packing, fusion and casts are the engine's, unchanged. The reads are buffered
-(each chunk's windows asked of the kernel up front with ``POSIX_FADV_WILLNEED``,
-no readahead beyond them) or ``O_DIRECT`` (several in flight; with
-``drop_cache``, or forced with ``STREAMLOAD_DIRECT_IO=1``; buffered where the
-file system refuses it): see ``ColdEngine.read_buffered``.
+Packing, fusion and casts are the engine's, unchanged. A buffered read of a
+plain copy (same dtype, contiguous at both ends: a whole tensor, a row slice,
+one expert of a fused stack) skips the buffer and lands in its destination.
+The reads are buffered (each chunk's windows asked of the kernel up front with
+``POSIX_FADV_WILLNEED``, no readahead beyond them) or ``O_DIRECT`` (several in
+flight; with ``drop_cache``, or forced with ``STREAMLOAD_DIRECT_IO=1``; buffered
+where the file system refuses it): see ``ColdEngine.read_buffered``.
 
 Also here: page-cache residency (``mincore``), eviction (``POSIX_FADV_DONTNEED``)
 and the disk's sequential read bandwidth, which ``read_mode="auto"`` and
@@ -41,7 +43,8 @@ ALIGN = _native.DIRECT_ALIGN
 _F = _native.OP_FIELDS
 _D = _native.MAX_DIMS
 # Columns of an op row (csrc/copy_engine.h, CopyOp).
-_FILE, _SRC, _SRC_NBYTES, _SRC_DTYPE, _NDIM, _SRC_OFFSET, _DST_OFFSET = 0, 1, 2, 3, 7, 8, 9
+_FILE, _SRC, _SRC_NBYTES, _SRC_DTYPE, _DST, _DST_NBYTES, _DST_DTYPE = 0, 1, 2, 3, 4, 5, 6
+_NDIM, _SRC_OFFSET, _DST_OFFSET = 7, 8, 9
 _SHAPE, _SRC_STRIDE, _DST_STRIDE = 10, 10 + _D, 10 + 2 * _D
 
 
@@ -115,6 +118,7 @@ class ColdStats:
     reads: int = 0
     direct_reads: int = 0
     direct_refused: bool = False
+    in_place_bytes: int = 0  # source bytes read straight into their destinations (buffered)
 
 
 class ColdEngine:
@@ -123,7 +127,8 @@ class ColdEngine:
     A batch's file ops are cut (along their outer dims) into chunks of at most
     ``chunk_bytes`` of source spans, in file order; each chunk is read into one of
     ``buffers`` read buffers on a helper thread (GIL released, ``lanes`` chunks at
-    once) while the engine copies earlier chunks out of memory. A batch announced
+    once) while the engine copies earlier chunks out of memory; buffered, the plain
+    copies among them are read straight into their destinations. A batch announced
     with ``expect`` (the next bucket) is read as soon as a buffer frees, so the
     disk keeps reading while this bucket is copied, scattered and agreed on.
     Memory: ``buffers`` buffers of about ``chunk_bytes`` (``peak_buffer_bytes``),
@@ -141,6 +146,11 @@ class ColdEngine:
         buffers: read buffers (>= 2).
         lanes: chunks read at once (a native read call waits for its slowest read;
             two keep the disk's queue full across chunk boundaries).
+        in_place: buffered reads of plain copies (same dtype, contiguous source and
+            destination, source bytes no other op of the chunk reads) land straight in
+            their destinations, with no read buffer and no copy out of it; the copies that
+            cast, slice columns or share source bytes go through the buffers.
+            ``STREAMLOAD_IN_PLACE=0`` turns it off (every read goes through the buffers).
     """
 
     def __init__(
@@ -153,6 +163,7 @@ class ColdEngine:
         drop_cache: bool = False,
         buffers: int = 4,
         lanes: int = 2,
+        in_place: bool = True,
     ) -> None:
         self.engine = engine
         self.paths = [f.path for f in files]
@@ -175,6 +186,8 @@ class ColdEngine:
         self._timeline: Timeline = current()  # the load's, set per execute (reads run on a helper thread)
         self._buffers: list[torch.Tensor | None] = [None] * buffers
         self._ahead = ReadAhead(self._read_chunk, buffers, lanes)
+        # Buffered reads land straight in the destinations of plain copies (see _in_place).
+        self.lands_in_place = in_place and os.environ.get("STREAMLOAD_IN_PLACE") != "0"
         self._itemsize = np.zeros(max(_native.DTYPE_CODES.values()) + 1, dtype=np.int64)
         for name, code in _native.DTYPE_CODES.items():
             # Sub-byte dtypes (F4, F6_*) have no whole item size: their ops stay on the files (0 here).
@@ -225,6 +238,12 @@ class ColdEngine:
             return
         self._ahead.drain()  # no read in flight uses the old readers
         self._set_lanes(buffered)
+
+    @property
+    def lands_ahead(self) -> bool:
+        """True when reads of an announced batch (``expect``) may land in its ops'
+        destinations before it is executed (buffered reads of plain copies)."""
+        return self.buffered and self.lands_in_place
 
     @property
     def threads(self) -> int:
@@ -293,20 +312,57 @@ class ColdEngine:
             out.extend(self._pieces(piece))
         return out
 
-    def _read_chunk(self, rows: np.ndarray, which: int) -> np.ndarray:
-        """Reads the spans of ``rows`` (file ops, in bounds) into buffer ``which``;
-        returns the ops rewritten to copy from it."""
+    def _in_place(self, rows: np.ndarray, a: np.ndarray, b: np.ndarray, isz: np.ndarray) -> np.ndarray:
+        """Which ops a buffered read may land straight in their destination: a contiguous
+        source span copied unchanged (same dtype) to a contiguous destination span within
+        its bounds, whose source bytes no other op of the chunk reads (those share the read
+        buffer). The rest are copied out of the read buffer by the engine."""
+        used = np.arange(_D)[None, :] < rows[:, _NDIM][:, None]
+        shape = np.where(used, rows[:, _SHAPE : _SHAPE + _D], 1)
+        # Contiguous strides: the product of the inner dims' sizes.
+        inner = np.ones_like(shape)
+        inner[:, :-1] = np.cumprod(shape[:, :0:-1], axis=1)[:, ::-1]
+        free = shape == 1  # a dim of one element (or past ndim) has no stride that matters
+        plain = (free | (rows[:, _SRC_STRIDE : _SRC_STRIDE + _D] == inner)).all(axis=1)
+        plain &= (free | (rows[:, _DST_STRIDE : _DST_STRIDE + _D] == inner)).all(axis=1)
+        plain &= rows[:, _SRC_DTYPE] == rows[:, _DST_DTYPE]
+        nbytes = shape.prod(axis=1) * isz
+        first = rows[:, _DST_OFFSET] * isz
+        plain &= (rows[:, _DST] != 0) & (first >= 0) & (first + nbytes <= rows[:, _DST_NBYTES])
+        plain &= b - a == nbytes
+        # Alone: no other op's source span overlaps it (each file on its own stretch of one line).
+        shift = rows[:, _FILE] * (int(self.sizes.max()) + 1)
+        order = np.argsort(a + shift, kind="stable")
+        sa, sb = (a + shift)[order], (b + shift)[order]
+        reach = np.maximum.accumulate(sb)
+        alone = np.ones(len(rows), dtype=bool)
+        alone[1:] &= sa[1:] >= reach[:-1]  # nothing before it reaches into it
+        alone[:-1] &= sb[:-1] <= sa[1:]  # nothing after it starts inside it
+        out = np.zeros(len(rows), dtype=bool)
+        out[order] = alone
+        return plain & out
+
+    def _read_chunk(self, rows: np.ndarray, which: int) -> tuple[np.ndarray, int]:
+        """Reads the spans of ``rows`` (file ops, in bounds): buffered, the ops ``_in_place``
+        picks straight into their destinations, the rest into buffer ``which``. Returns the
+        rest rewritten to copy from the buffer, and the source bytes read in place."""
         lo, hi, isz = self._extents(rows)
         fidx = rows[:, _FILE]
         a = self.data_starts[fidx] + rows[:, _SRC] + lo * isz  # absolute file offsets
         b = self.data_starts[fidx] + rows[:, _SRC] + (hi + 1) * isz
-        # Aligned spans per file, merged, laid out aligned: every read lands in place.
-        plan: list[tuple[int, np.ndarray, np.ndarray]] = []
+        own = (
+            self._in_place(rows, a, b, isz)
+            if self.buffered and self.lands_in_place
+            else np.zeros(len(rows), dtype=bool)
+        )
+        # The other ops' spans per file, merged, laid out aligned in the buffer (O_DIRECT: the
+        # spans aligned too, so that every read lands in place).
+        plan: list[tuple[int, np.ndarray]] = []
         total = 0
         for f in np.unique(fidx):
-            m = fidx == f
-            sa = (a[m] // ALIGN) * ALIGN
-            sb = np.minimum(-(-b[m] // ALIGN) * ALIGN, self.sizes[f])
+            m = (fidx == f) & ~own
+            sa = a[m] if self.buffered else (a[m] // ALIGN) * ALIGN
+            sb = b[m] if self.buffered else np.minimum(-(-b[m] // ALIGN) * ALIGN, self.sizes[f])
             order = np.argsort(sa, kind="stable")
             starts: list[int] = []
             ends: list[int] = []
@@ -318,18 +374,23 @@ class ColdEngine:
                     ends.append(e)
             st, en = np.array(starts, dtype=np.int64), np.array(ends, dtype=np.int64)
             room = -(-(en - st) // ALIGN) * ALIGN
-            pos = total + np.concatenate([[0], np.cumsum(room)[:-1]])
+            pos = total + np.concatenate([[0], np.cumsum(room)[:-1]]).astype(np.int64)
             total += int(room.sum())
-            plan.append((int(f), st, np.stack([en - st, pos, room], axis=1)))
-        base = self._buffer(which, total)
+            plan.append((int(f), np.stack([st, en - st, pos[: len(st)], room], axis=1)))
+        base = self._buffer(which, total) if total else 0
         with self._stats_lock:
             self.peak_buffer_bytes = max(self.peak_buffer_bytes, self.buffer_bytes)
-        where = np.empty(len(rows), dtype=np.int64)
-        for f, st, info in plan:
-            m = np.nonzero(fidx == f)[0]
-            k = np.searchsorted(st, a[m], side="right") - 1
-            where[m] = base + info[k, 1] + (a[m] - st[k])
-            ranges = np.ascontiguousarray(np.stack([st, info[:, 0], base + info[:, 1], info[:, 2]], axis=1))
+        where = np.zeros(len(rows), dtype=np.int64)
+        dst = rows[:, _DST] + rows[:, _DST_OFFSET] * isz
+        for f, spans in plan:
+            m = np.nonzero((fidx == f) & ~own)[0]
+            k = np.searchsorted(spans[:, 0], a[m], side="right") - 1
+            where[m] = base + spans[k, 2] + (a[m] - spans[k, 0])
+            o = np.nonzero((fidx == f) & own)[0]
+            buffered = np.stack([spans[:, 0], spans[:, 1], base + spans[:, 2], spans[:, 3]], axis=1)
+            landed = np.stack([a[o], b[o] - a[o], dst[o], b[o] - a[o]], axis=1)
+            ranges = np.concatenate([buffered, landed])
+            ranges = np.ascontiguousarray(ranges[np.argsort(ranges[:, 0], kind="stable")])
             reader = self._lanes.get()
             try:
                 s = reader.read(self.paths[f], ranges.ctypes.data, ranges.nbytes, self.fds[f])
@@ -344,12 +405,13 @@ class ColdEngine:
                 self.stats.reads += int(s["windows"])
                 self.stats.direct_reads += int(s["direct_windows"])
                 self.stats.direct_refused |= bool(s["direct_refused"])
-        out = rows.copy()
-        out[:, _FILE] = -1
-        out[:, _SRC] = where
-        out[:, _SRC_NBYTES] = (hi - lo + 1) * isz
-        out[:, _SRC_OFFSET] -= lo
-        return np.ascontiguousarray(out)
+                self.stats.in_place_bytes += int((b[o] - a[o]).sum())
+        rest = rows[~own].copy()
+        rest[:, _FILE] = -1
+        rest[:, _SRC] = where[~own]
+        rest[:, _SRC_NBYTES] = ((hi - lo + 1) * isz)[~own]
+        rest[:, _SRC_OFFSET] -= lo[~own]
+        return np.ascontiguousarray(rest), int((b[own] - a[own]).sum())
 
     def prefetch(self, ranges: Sequence[tuple[int, int, int]]) -> None:
         """Reads (file index, absolute offset, bytes) ranges into the page cache at
@@ -427,7 +489,8 @@ class ColdEngine:
     def expect(self, ops: int, ops_nbytes: int, tag: int = -1) -> None:
         """Announces the ops of the next ``execute`` call: their reads are issued as soon
         as a read buffer frees up (while this batch is still copied or scattered), so the
-        disk never waits for the pipeline. A later ``execute`` with other ops drops the
+        disk never waits for the pipeline. Their destinations must be free from now on:
+        buffered reads of plain copies land there directly. A later ``execute`` with other ops drops the
         announcement (its reads are waited for, never copied from). ``tag``: the bucket
         the ops pack, which the timeline's read events name.
 
@@ -459,9 +522,9 @@ class ColdEngine:
             batch = ahead.start(rows, chunks, tl.bucket)
             for i in range(len(batch.chunks)):
                 with tl.span("cold_wait", tl.bucket):
-                    ready = ahead.wait(batch, i)
+                    ready, landed = ahead.wait(batch, i)
                 with tl.span("cold_copy", tl.bucket):
-                    done += self._run(files, ready)
+                    done += landed + self._run(files, ready)
                 ahead.done(batch, i)
         except BaseException:
             ahead.drain()  # no read may still be writing into a buffer, none is kept

@@ -19,20 +19,23 @@ from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import Generic, TypeVar
 
 import numpy as np
 
 from ..timeline import Timeline
 
+R = TypeVar("R")  # what a chunk's read returns
+
 
 @dataclass
-class Batch:
+class Batch(Generic[R]):
     """One batch of ops: its chunks and the reads issued for them."""
 
     key: np.ndarray  # the batch's op rows as announced (a later execute must match them)
     chunks: list[np.ndarray]
     tag: int = -1  # the bucket it packs (what its logged reads name)
-    futures: list[Future[np.ndarray]] = field(default_factory=list)
+    futures: list[Future[R]] = field(default_factory=list)
     buffers: list[int] = field(default_factory=list)
 
     @property
@@ -40,12 +43,12 @@ class Batch:
         return len(self.futures)
 
 
-class ReadAhead:
+class ReadAhead(Generic[R]):
     """Issues chunk reads into ``buffers`` read buffers, batch after batch, in order.
 
     Args:
-        read: ``read(chunk_rows, buffer) -> rows rewritten to copy from that buffer``
-            (runs on the helper thread).
+        read: ``read(chunk_rows, buffer) -> R`` (runs on the helper thread; the cold engine's
+            returns the rows rewritten to copy from that buffer, and the bytes it read in place).
         buffers: read buffers (>= 2: one is copied while the next is read).
         lanes: chunk reads in flight at once (helper threads).
 
@@ -54,38 +57,38 @@ class ReadAhead:
         >>> ra.announce(rows_k1, chunks_k1)  # bucket k+1, before bucket k is executed
     """
 
-    def __init__(self, read: Callable[[np.ndarray, int], np.ndarray], buffers: int, lanes: int = 1) -> None:
+    def __init__(self, read: Callable[[np.ndarray, int], R], buffers: int, lanes: int = 1) -> None:
         if buffers < 2:
             raise ValueError("read-ahead needs at least two buffers")
         # A weak reference to a bound method: the engine owns this object, and a strong one
         # would make a cycle that keeps the engine's buffers and threads alive until a full GC.
-        self._read: Callable[[], Callable[[np.ndarray, int], np.ndarray] | None] = (
+        self._read: Callable[[], Callable[[np.ndarray, int], R] | None] = (
             weakref.WeakMethod(read) if hasattr(read, "__self__") else (lambda: read)
         )
         self.buffers = buffers
         self.lanes = max(1, min(lanes, buffers - 1))  # reads at once; one buffer is always being copied
         self._free = list(range(buffers - 1, -1, -1))
-        self._batches: deque[Batch] = deque()
+        self._batches: deque[Batch[R]] = deque()
         self._pool: ThreadPoolExecutor | None = None
         self.timeline: Timeline | None = None  # where issued reads are logged
 
     def announce(self, key: np.ndarray, chunks: list[np.ndarray], tag: int = -1) -> None:
         """Queues a batch whose reads start as soon as buffers free up (``tag``: its bucket)."""
-        self._batches.append(Batch(key, chunks, tag))
+        self._batches.append(Batch[R](key, chunks, tag))
         self.pump()
 
     def announced(self, key: np.ndarray) -> bool:
         """True when the next announced batch is ``key`` (its chunks are planned already)."""
         return bool(self._batches) and np.array_equal(self._batches[0].key, key)
 
-    def start(self, key: np.ndarray, chunks: list[np.ndarray], tag: int = -1) -> Batch:
+    def start(self, key: np.ndarray, chunks: list[np.ndarray], tag: int = -1) -> Batch[R]:
         """The batch to execute now: the announced head if its ops are ``key``;
         otherwise every announcement is stale (dropped) and ``chunks`` start now."""
         if self.announced(key):
             batch = self._batches[0]
         else:
             self.drain()
-            batch = Batch(key, chunks, tag)
+            batch = Batch[R](key, chunks, tag)
             self._batches.append(batch)
         self.pump()
         return batch
@@ -104,19 +107,19 @@ class ReadAhead:
                 batch.buffers.append(which)
                 batch.futures.append(self._pool.submit(self._call, batch.chunks[batch.issued], which))
 
-    def _call(self, rows: np.ndarray, which: int) -> np.ndarray:
+    def _call(self, rows: np.ndarray, which: int) -> R:
         read = self._read()
         if read is None:
             raise RuntimeError("the cold engine that owned this read-ahead is gone")
         return read(rows, which)
 
-    def wait(self, batch: Batch, i: int) -> np.ndarray:
-        """Chunk ``i`` of ``batch`` read; returns its rewritten rows."""
+    def wait(self, batch: Batch[R], i: int) -> R:
+        """Chunk ``i`` of ``batch`` read; returns what its read returned."""
         if i >= batch.issued:
             raise AssertionError(f"chunk {i} waited for before it was issued")
         return batch.futures[i].result()
 
-    def done(self, batch: Batch, i: int) -> None:
+    def done(self, batch: Batch[R], i: int) -> None:
         """Chunk ``i`` was copied out: its buffer takes the next read."""
         self._free.append(batch.buffers[i])
         if i == len(batch.chunks) - 1:
