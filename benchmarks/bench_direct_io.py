@@ -1,18 +1,28 @@
-"""Cold loads with buffered reads (the default) against O_DIRECT reads, interleaved.
+"""Cold loads read three ways, interleaved: buffered reads whose plain copies land in
+their destinations (the default), buffered reads through the read buffers, and O_DIRECT.
 
-Each variant's ranks are started with ``STREAMLOAD_DIRECT_IO`` set to "0" (buffered,
-what a load without ``drop_cache`` does by default) or "1" (O_DIRECT). By default one
-warm rank group per variant (``BenchGroup``: processes started once, the model's modules
-imported before the clock starts) serves every load; ``--fresh`` starts a new group for
-every load instead, as ``streamload bench`` does (first-call costs included). The variants
-take turns within each repeat, so a slow patch of the shared disk hits both. Before every
-load the checkpoint is evicted and checked with mincore (``make_cold``). Prints each load,
-then per variant the median load + first-touch seconds with min-max, the median CPU
-seconds of rank 0 (the reader in ``src``) and of all ranks together, and the ratio of the
-medians. A buffered read costs a kernel copy per byte that O_DIRECT does not: the CPU
-columns show what the wall time buys it.
+Each variant's ranks are started with the variables of ``VARIANTS``:
 
-    python benchmarks/bench_direct_io.py CKPT --ranks 2 4 --repeat 6 [--fresh] [--strategy streamload]
+- ``in_place``: buffered (``STREAMLOAD_DIRECT_IO=0``, what a load without ``drop_cache``
+  does by default); plain copies (same dtype, contiguous at both ends) are read straight
+  into the shard or staging slot they fill.
+- ``read_buffers``: buffered, every read into the engine's read buffers and copied out of
+  them (``STREAMLOAD_IN_PLACE=0``; the default before plain copies landed in place).
+- ``o_direct``: ``STREAMLOAD_DIRECT_IO=1``.
+
+By default one warm rank group per variant (``BenchGroup``: processes started once, the
+model's modules imported before the clock starts) serves every load; ``--fresh`` starts a
+new group for every load instead, as ``streamload bench`` does (first-call costs included).
+The variants take turns within each repeat, so a slow patch of the shared disk hits each.
+Before every load the checkpoint is evicted and checked with mincore (``make_cold``).
+Prints each load, then per variant the median load + first-touch seconds with min-max, the
+median CPU seconds of rank 0 (the reader in ``src``) and of all ranks together, and each
+variant's median over the first variant's. A buffered read costs a kernel copy per byte
+that O_DIRECT does not, and a read through the buffers one more copy: the CPU columns show
+what the wall time buys.
+
+    python benchmarks/bench_direct_io.py CKPT --ranks 2 4 --repeat 6 [--fresh] \
+        [--strategy streamload] [--variants in_place read_buffers o_direct]
 
 ``--strategy`` is a ``streamload bench`` strategy: ``streamload`` (src: rank 0 reads and
 scatters) or ``streamload_owners`` (every rank reads its own shards).
@@ -23,28 +33,30 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from streamload.tools.bench.runner import BenchGroup
 
-VARIANTS = {"buffered": "0", "o_direct": "1"}
+VARIANTS: dict[str, dict[str, str]] = {
+    "in_place": {"STREAMLOAD_DIRECT_IO": "0", "STREAMLOAD_IN_PLACE": "1"},
+    "read_buffers": {"STREAMLOAD_DIRECT_IO": "0", "STREAMLOAD_IN_PLACE": "0"},
+    "o_direct": {"STREAMLOAD_DIRECT_IO": "1", "STREAMLOAD_IN_PLACE": "1"},
+}
 
 
 def _group(world: int, name: str) -> BenchGroup:
-    """A rank group whose processes read as ``name`` says (they inherit the variable)."""
-    saved = os.environ.get("STREAMLOAD_DIRECT_IO")
-    os.environ["STREAMLOAD_DIRECT_IO"] = VARIANTS[name]
+    """A rank group whose processes read as ``name`` says (they inherit the variables)."""
+    saved = {k: os.environ.get(k) for k in VARIANTS[name]}
+    os.environ.update(VARIANTS[name])
     try:
         return BenchGroup(world)
     finally:
-        if saved is None:
-            os.environ.pop("STREAMLOAD_DIRECT_IO", None)
-        else:
-            os.environ["STREAMLOAD_DIRECT_IO"] = saved
-
-
-def _groups(world: int) -> dict[str, BenchGroup]:
-    return {name: _group(world, name) for name in VARIANTS}
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 @dataclass
@@ -56,13 +68,15 @@ class Loads:
     total_cpu: list[float] = field(default_factory=list)
 
 
-def run(ckpt: str, world: int, repeat: int, strategy: str, fresh: bool = False) -> dict[str, Loads]:
+def run(
+    ckpt: str, world: int, repeat: int, strategy: str, variants: Sequence[str], fresh: bool = False
+) -> dict[str, Loads]:
     """Interleaved cold loads, per variant; ``fresh``: new rank processes for every load."""
-    groups = {} if fresh else _groups(world)
-    out: dict[str, Loads] = {name: Loads() for name in VARIANTS}
+    groups = {} if fresh else {name: _group(world, name) for name in variants}
+    out: dict[str, Loads] = {name: Loads() for name in variants}
     try:
         for i in range(repeat):
-            for name in VARIANTS:
+            for name in variants:
                 group = _group(world, name) if fresh else groups[name]
                 try:
                     r = group.run(strategy, ckpt, verify=i == 0, cold=True)
@@ -78,7 +92,7 @@ def run(ckpt: str, world: int, repeat: int, strategy: str, fresh: bool = False) 
                 loads.rank0_cpu.append(r.cpu_seconds[0])
                 loads.total_cpu.append(sum(r.cpu_seconds))
                 print(
-                    f"{world} ranks {name:9s} #{i + 1}: {r.seconds + r.touch_seconds:.2f} s, "
+                    f"{world} ranks {name:12s} #{i + 1}: {r.seconds + r.touch_seconds:.2f} s, "
                     f"resident before {r.resident_before:.1%}, cpu {r.cpu_seconds}, "
                     f"stream {r.phases.get('stream', 0.0):.2f} s",
                     flush=True,
@@ -96,12 +110,13 @@ def main() -> None:
     p.add_argument("--repeat", type=int, default=6)
     p.add_argument("--strategy", default="streamload")
     p.add_argument("--fresh", action="store_true", help="new rank processes for every load")
+    p.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=list(VARIANTS))
     args = p.parse_args()
     name = os.path.basename(os.path.normpath(args.checkpoint))
     groups = "fresh" if args.fresh else "warm"
     rows = []
     for world in args.ranks:
-        res = run(args.checkpoint, world, args.repeat, args.strategy, args.fresh)
+        res = run(args.checkpoint, world, args.repeat, args.strategy, args.variants, args.fresh)
         med = {k: statistics.median(v.seconds) for k, v in res.items()}
         for k, v in res.items():
             rows.append(
@@ -109,10 +124,12 @@ def main() -> None:
                 f"{med[k]:.2f} ({min(v.seconds):.2f}-{max(v.seconds):.2f}) | "
                 f"{statistics.median(v.rank0_cpu):.2f} | {statistics.median(v.total_cpu):.2f} |"
             )
-        rows.append(
-            f"| {name} | {world} | {args.strategy} | {groups} | buffered / o_direct | "
-            f"{med['buffered'] / med['o_direct']:.2f}x | | |"
-        )
+        first = args.variants[0]
+        for k in args.variants[1:]:
+            rows.append(
+                f"| {name} | {world} | {args.strategy} | {groups} | {k} / {first} | "
+                f"{med[k] / med[first]:.2f}x | | |"
+            )
     print(
         "| checkpoint | ranks | strategy | groups | reads | load + touch s, median (min-max) "
         "| rank 0 CPU s | all ranks CPU s |"
