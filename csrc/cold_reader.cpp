@@ -312,11 +312,14 @@ ReadStats ColdReader::read(const std::string& path, const std::vector<ReadRange>
     }
     // Buffered: exactly the bytes needed; one range, or ranges of kOwnRead bytes or more
     // on average, go straight to their destinations (one read each, no bounce copy).
+    // Counted alike either way: the span from the first range to the last, gaps included,
+    // which is what the kernel was asked for (WILLNEED) and read.
     if (single || (hi - lo) / static_cast<uint64_t>(last - first) >= kOwnRead) {
       for (auto r = first; r != last; ++r) {
         uint64_t a = std::max(lo, r->offset), b = std::min(hi, r->offset + r->nbytes);
-        bytes.fetch_add(static_cast<uint64_t>(read_span(f.buffered, r->dst + (a - r->offset), a, b - a, b - a, false, path)));
+        read_span(f.buffered, r->dst + (a - r->offset), a, b - a, b - a, false, path);
       }
+      bytes.fetch_add(hi - lo);
     } else {
       char* bounce = acquire();
       try {

@@ -37,8 +37,8 @@ struct ReadRange {
 
 struct ReadStats {
   uint64_t bytes_requested = 0;  // sum of the ranges' lengths
-  uint64_t bytes_read = 0;       // bytes the preads returned (alignment and gaps included)
-  uint64_t windows = 0;          // preads issued, large and aligned
+  uint64_t bytes_read = 0;       // bytes the windows read (O_DIRECT: aligned; buffered: first range to last, short gaps included)
+  uint64_t windows = 0;          // windows read, large and aligned (a buffered one: one pread, or one per range of 64 KiB+)
   uint64_t direct_windows = 0;   // of which with O_DIRECT
   bool direct_refused = false;   // open(O_DIRECT) or a direct read failed with EINVAL
   double seconds = 0;

@@ -32,9 +32,9 @@ class LoadReport:
         unrestored_buffers: non-persistent buffers that could not be recomputed.
         reader: reader mode and why it was chosen.
         read_mode: how this rank read the files ("mmap", "pread" or "cold"; "" where it read none).
-        disk_bytes_read / disk_reads: bytes and preads of this rank's cold reads (read_mode
-            "cold"), alignment and short gaps included; buffered ones may have found some pages
-            cached. 0 where the files were read through a mapping.
+        disk_bytes_read / disk_reads: bytes and read windows of this rank's cold reads
+            (read_mode "cold"), short gaps included (O_DIRECT: alignment too); buffered ones may
+            have found some pages cached. 0 where the files were read through a mapping.
         phases: seconds spent in open, match, materialize, plan, stream, finalize; and inside the
             stream, per step on this rank ("stream.pack", "stream.cold_wait", "stream.cold_copy",
             "stream.cold_read" (read time summed over the read lanes), "stream.scatter_wait",

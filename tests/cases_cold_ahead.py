@@ -105,3 +105,122 @@ def case_read_ahead(
         )
         engine.close()
     return out
+
+
+def case_failure_drains_reads_ahead(
+    rank: int, world: int, *, ckpt: str, ws: int, readers: str
+) -> dict[str, Any] | None:
+    """Rank 1 fails at its second bucket (``src``: unpacking it; ``owners``: packing it)
+    while the readers have the next bucket's reads announced, which land in staging slots
+    and shards. Returns, per rank, the error raised and whether its engine still had reads
+    queued or running when the load returned (none may outlive the load: the memory they
+    write into is freed with it)."""
+    import streamload.dist.stream as stream
+    import streamload.load.prepare as prepare
+    from streamload.dist.pack import Packer
+
+    ready = evicted_mesh(rank, ckpt, ws)
+    if ready is None:
+        return None
+    mesh, _ = ready
+    real_pack, real_unpack = Packer.pack, stream.unpack
+    calls = {"n": 0}
+
+    def fail_second(real: Any) -> Any:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            calls["n"] += 1
+            if calls["n"] == 2:
+                raise streamload.CheckpointFileError("injected on rank 1", ckpt, "bucket 1")
+            return real(*args, **kwargs)
+
+        return call
+
+    # Owners on the CPU read in one bucket of 1 GiB (nothing to read ahead across): this
+    # test's buckets are small for every mode, so that the next bucket is announced.
+    owners_bucket, prepare.OWNERS_CPU_BUCKET_BYTES = prepare.OWNERS_CPU_BUCKET_BYTES, 0
+    if rank == 1:
+        if readers == "src":
+            stream.unpack = fail_second(real_unpack)
+        else:
+            Packer.pack = fail_second(real_pack)  # type: ignore[method-assign]
+    error = None
+    with recorded_engines({"STREAMLOAD_DIRECT_IO": "0"}, chunk_bytes=8192) as engines:
+        try:
+            streamload.from_pretrained(
+                ckpt if readers != "src" or rank == 0 else MISSING_PATH,
+                device_mesh=mesh,
+                bucket_bytes=64 << 10,
+                progress=False,
+                readers=readers,
+                read_mode="cold",
+            )
+        except streamload.CheckpointFileError as exc:
+            error = (type(exc).__name__, exc.rank)
+        finally:
+            stream.unpack, Packer.pack = real_unpack, real_pack  # type: ignore[method-assign]
+            prepare.OWNERS_CPU_BUCKET_BYTES = owners_bucket
+    pending = [
+        (len(e._ahead._batches), sum(not f.done() for b in e._ahead._batches for f in b.futures))
+        for e in engines
+    ]
+    for e in engines:
+        e.close()
+    dist.barrier(group=mesh.get_group())
+    return {"error": error, "engines": len(engines), "pending": pending}
+
+
+def case_reads_never_land_in_a_slot_in_flight(
+    rank: int, world: int, *, ckpt: str, ws: int, slots: int
+) -> dict[str, Any] | None:
+    """A cold ``src`` load with ``slots`` slots and small buckets; on the reader, every read
+    that lands in a destination is checked, when it is issued, against the staging slots
+    whose transport is still in flight (started, not yet waited for). Returns the reads that
+    landed and the ones that hit a slot in flight (must be none)."""
+    from streamload.dist.transport import Transport
+    from streamload.io import cold
+
+    ready = evicted_mesh(rank, ckpt, ws)
+    if ready is None:
+        return None
+    mesh, _ = ready
+    flight: dict[int, tuple[int, int]] = {}  # id(handle) -> [start, end) of the bytes it sends
+    seen = {"landed": 0, "hits": 0}
+    real_start, real_wait, real_pick = Transport.start, Transport.wait, cold.ColdEngine._in_place
+
+    def start(self: Transport, bucket: Any, send: Any, recv: Any) -> Any:
+        handle = real_start(self, bucket, send, recv)
+        if send is not None and handle is not None:
+            flight[id(handle)] = (send.data_ptr(), send.data_ptr() + bucket.wire_total)
+        return handle
+
+    def wait(handle: Any) -> None:
+        real_wait(handle)
+        flight.pop(id(handle), None)
+
+    def pick(self: cold.ColdEngine, rows: Any, a: Any, b: Any, isz: Any) -> Any:
+        own = real_pick(self, rows, a, b, isz)
+        starts = rows[own, 4] + rows[own, 9] * isz[own]  # destination address + offset in bytes
+        for lo, n in zip(starts.tolist(), (b - a)[own].tolist(), strict=True):
+            seen["landed"] += 1
+            seen["hits"] += any(s < lo + n and lo < e for s, e in list(flight.values()))
+        return own
+
+    Transport.start, Transport.wait = start, staticmethod(wait)  # type: ignore[method-assign, assignment]
+    cold.ColdEngine._in_place = pick  # type: ignore[method-assign]
+    try:
+        with recorded_engines({"STREAMLOAD_DIRECT_IO": "0"}, chunk_bytes=8192):
+            model = streamload.from_pretrained(
+                ckpt if rank == 0 else MISSING_PATH,
+                device_mesh=mesh,
+                bucket_bytes=64 << 10,
+                slots=slots,
+                progress=False,
+                readers="src",
+                read_mode="cold",
+            )
+    finally:
+        Transport.start, Transport.wait = real_start, staticmethod(real_wait)  # type: ignore[method-assign, assignment]
+        cold.ColdEngine._in_place = real_pick  # type: ignore[method-assign]
+    dist.barrier(group=mesh.get_group())
+    assert not compare_model(model, reference(ckpt, None))
+    return {**seen, "staging": model.streamload_report.peak_staging_bytes}

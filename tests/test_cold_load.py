@@ -157,8 +157,8 @@ def test_cold_load_matches_transformers(
                     assert r["in_place_bytes"] == 0, r
                 else:
                     assert r["buffered"] and r["direct_reads"] == 0, r
-                    # Plain copies (no cast: the checkpoint's dtype) land in place.
-                    assert r["in_place_bytes"] > 0 or dtype is not None, r
+                    if dtype is None:  # the checkpoint's dtype: plain copies land in place
+                        assert r["in_place_bytes"] > 0, r
             if any(r["mapped"] for r in res if r):
                 # Shards that are views of cold files were prefetched into the page cache.
                 assert res[0]["resident"] > 0
@@ -383,4 +383,78 @@ def test_plain_copy_past_its_destination_is_the_engines_error(ckpts: dict[str, s
     with pytest.raises(CopyOpError, match="outside the destination"):
         batch.execute(c.engine, c.files)
     assert not room.any() and c.engine.stats.in_place_bytes == 0  # checked before any write
+    c.engine.close()
+
+
+def _op(
+    shape: list[int],
+    src_strides: list[int],
+    dst_strides: list[int],
+    *,
+    file: int = 0,
+    src: int = 0,
+    dtypes: tuple[str, str] = ("BF16", "BF16"),
+    src_offset: int = 0,
+    dst_offset: int = 0,
+    dst_nbytes: int = 1 << 30,
+) -> list[int]:
+    """One op row as OpBatch lays it out (csrc/copy_engine.h, CopyOp)."""
+    from streamload.io import _native
+
+    pad = _native.MAX_DIMS - len(shape)
+    codes = _native.DTYPE_CODES
+    return [
+        file, src, 1 << 30, codes[dtypes[0]], 1 << 20, dst_nbytes, codes[dtypes[1]], len(shape),
+        src_offset, dst_offset, *shape, *[1] * pad, *src_strides, *[0] * pad, *dst_strides, *[0] * pad,
+    ]  # fmt: skip
+
+
+def test_in_place_picks_plain_copies_only() -> None:
+    """Which ops land in their destinations, decided on the op rows alone: contiguous at both
+    ends (dims of one element may have any stride), same dtype, inside the destination, and
+    no other op of the chunk reading the same file bytes (other files do not count)."""
+    import numpy as np
+
+    class _File:
+        path, file_size, data_start, fileno = "/dev/null", 1 << 31, 0, -1
+
+    engine = cold.ColdEngine(None, [_File(), _File()])
+    cases = {
+        "whole 2-D": (_op([4, 6], [6, 1], [6, 1], src=0), True),
+        "expert in a stack (dst offset)": (_op([3, 5], [5, 1], [5, 1], src=100_000, dst_offset=2 * 15), True),
+        "dim of one, odd strides": (_op([1, 8], [999, 1], [7, 1], src=200_000), True),
+        "3-D contiguous": (_op([2, 3, 4], [12, 4, 1], [12, 4, 1], src=300_000), True),
+        "column slice": (_op([4, 3], [6, 1], [3, 1], src=400_000), False),
+        "transposed": (_op([4, 6], [1, 4], [6, 1], src=500_000), False),
+        "broadcast (stride 0)": (_op([4, 6], [0, 1], [6, 1], src=600_000), False),
+        "reversed (stride -1)": (_op([6], [-1], [1], src=700_000, src_offset=5), False),
+        "cast": (_op([4, 6], [6, 1], [6, 1], src=800_000, dtypes=("BF16", "F32")), False),
+        "past its destination": (_op([4, 6], [6, 1], [6, 1], src=900_000, dst_nbytes=47), False),
+        "shared bytes a": (_op([4, 6], [6, 1], [6, 1], src=1_000_000), False),
+        "shared bytes b": (_op([2, 6], [6, 1], [6, 1], src=1_000_000, src_offset=12), False),
+        "same offsets, other file": (_op([4, 6], [6, 1], [6, 1], file=1, src=0), True),
+    }
+    rows = np.array([row for row, _ in cases.values()], dtype=np.int64)
+    lo, hi, isz = engine._extents(rows)
+    a = engine.data_starts[rows[:, 0]] + rows[:, 1] + lo * isz
+    b = engine.data_starts[rows[:, 0]] + rows[:, 1] + (hi + 1) * isz
+    got = engine._in_place(rows, a, b, isz)
+    assert dict(zip(cases, got.tolist(), strict=True)) == {k: v for k, (_, v) in cases.items()}
+    engine.close()
+
+
+def test_env_turns_landing_in_place_off(ckpts: dict[str, str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """STREAMLOAD_IN_PLACE=0: every read goes through the read buffers (same bytes)."""
+    monkeypatch.delenv("STREAMLOAD_DIRECT_IO", raising=False)
+    monkeypatch.setenv("STREAMLOAD_IN_PLACE", "0")
+    c = Checkpoint(ckpts["one_file"], mode="cold")
+    assert c.engine.buffered and not c.engine.lands_in_place and not c.engine.lands_ahead
+    _check_all(c, ckpts["one_file"])
+    assert c.engine.stats.reads > 0 and c.engine.stats.in_place_bytes == 0
+    c.engine.close()
+    monkeypatch.delenv("STREAMLOAD_IN_PLACE")
+    c = Checkpoint(ckpts["one_file"], mode="cold")
+    assert c.engine.lands_ahead
+    _check_all(c, ckpts["one_file"])
+    assert c.engine.stats.in_place_bytes > 0
     c.engine.close()

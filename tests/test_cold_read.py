@@ -169,20 +169,33 @@ def test_subranges_and_gaps(unaligned: Path) -> None:
                 assert bytes(d.numpy()) == whole[off : off + n]
 
 
+@pytest.mark.parametrize("gap", [0, 100])
 @pytest.mark.parametrize("piece", [1000, 4096, 64 << 10, 300_001])
-def test_buffered_window_of_adjacent_ranges(tmp_path: Path, piece: int) -> None:
-    """Buffered: one window over many adjacent ranges, each into its own destination.
-    Short ranges share one read into a bounce buffer; ranges of 64 KiB or more on
-    average are read one by one straight into their destinations. The same bytes."""
-    p = tmp_path / "adjacent.bin"
-    data = torch.randint(0, 256, (6 * piece + 11,), generator=torch.Generator().manual_seed(piece))
+def test_buffered_window_of_near_ranges(tmp_path: Path, piece: int, gap: int) -> None:
+    """Buffered: one window over many ranges (adjacent, or 100 bytes apart), each into its
+    own destination with guard bytes around it. Short ranges share one read into a bounce
+    buffer; ranges of 64 KiB or more on average are read one by one straight into their
+    destinations. The same bytes, nothing written outside a range, and the bytes counted
+    are the window's span from the first range to the last (the gaps too, as the kernel
+    was asked for them)."""
+    p = tmp_path / "near.bin"
+    n = 6
+    data = torch.randint(0, 256, (n * (piece + gap) + 11,), generator=torch.Generator().manual_seed(piece))
     p.write_bytes(bytes(data.to(torch.uint8).numpy()))
     whole = p.read_bytes()
-    rows = [(5 + i * piece, piece, torch.zeros(piece, dtype=torch.uint8)) for i in range(6)]
-    stats = _read(ext.ColdReader(block_bytes=64 << 20, direct="off"), p, rows)
-    assert stats["windows"] == 1 and stats["bytes_read"] == 6 * piece
-    for off, n, d in rows:
-        assert bytes(d.numpy()) == whole[off : off + n]
+    guard = 64
+    rows = []
+    for i in range(n):
+        room = torch.full((piece + 2 * guard,), 0xA5, dtype=torch.uint8)
+        rows.append((5 + i * (piece + gap), piece, room))
+    arr = torch.tensor(
+        [[off, m, room.data_ptr() + guard, m] for off, m, room in rows], dtype=torch.int64
+    ).reshape(-1, int(ext.RANGE_FIELDS))
+    stats = ext.ColdReader(block_bytes=64 << 20, direct="off").read(str(p), arr.data_ptr(), arr.numel() * 8)
+    assert stats["windows"] == 1 and stats["bytes_read"] == n * piece + (n - 1) * gap
+    for off, m, room in rows:
+        assert bytes(room[guard : guard + m].numpy()) == whole[off : off + m]
+        assert (room[:guard] == 0xA5).all() and (room[guard + m :] == 0xA5).all()
 
 
 def test_direct_refused_falls_back(unaligned: Path, monkeypatch: pytest.MonkeyPatch) -> None:

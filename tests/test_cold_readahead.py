@@ -312,3 +312,33 @@ def test_per_expert_checkpoint_is_read_once(group: RankGroup, ckpts: dict[str, s
     # Reads are 4 KiB-aligned at both ends, and gaps under 64 KiB are read through: a few
     # pages per tensor (and per rank's slice) on top, which small test tensors make visible.
     assert file_bytes * 0.99 <= read <= file_bytes * 1.2, (read, file_bytes)
+
+
+@pytest.mark.parametrize("readers", ["src", "owners"])
+def test_failed_load_leaves_no_read_ahead_behind(
+    group: RankGroup, ckpts: dict[str, str], readers: str
+) -> None:
+    """Reads of the next bucket land in its staging slot (src) or in the shards (owners):
+    when a rank fails mid-stream, every rank raises its error, and no reader returns with
+    reads still queued or running (they would write into freed memory)."""
+    res = group.run(
+        cases_cold_ahead.case_failure_drains_reads_ahead, ckpt=ckpts["large"], ws=3, readers=readers
+    )
+    for r in res:
+        assert r["error"] == ("CheckpointFileError", 1), r
+    readers_ = [r for r in res if r["engines"]]
+    assert len(readers_) == (1 if readers == "src" else 3), res
+    for r in readers_:
+        assert all(p == (0, 0) for p in r["pending"]), r
+
+
+@pytest.mark.parametrize("slots", [1, 2, 3])
+def test_reads_never_land_in_a_slot_in_flight(group: RankGroup, ckpts: dict[str, str], slots: int) -> None:
+    """Bucket k+1's reads land in its staging slot while bucket k is packed: checked at every
+    landed read's issue, none may touch a slot whose transport is still in flight, for one,
+    two and three slots (the ring holds one more than buckets in flight); bit-exact."""
+    res = group.run(
+        cases_cold_ahead.case_reads_never_land_in_a_slot_in_flight, ckpt=ckpts["large"], ws=3, slots=slots
+    )
+    r0 = res[0]
+    assert r0["landed"] > 20 and r0["hits"] == 0, r0

@@ -190,10 +190,22 @@ class Packer:
 
     @property
     def lands_ahead(self) -> bool:
-        """True when the checkpoint's engine reads announced batches ahead straight into
-        their destinations (cold, buffered: ``ColdEngine.lands_ahead``): ``upcoming`` must
-        then name a slot that nothing reads or writes until that bucket is packed."""
-        return bool(getattr(self.ckpt.engine, "lands_ahead", False))
+        """True when the next bucket's reads may land in its slot before it is packed: the
+        engine reads announced batches straight into their destinations (cold, buffered:
+        ``ColdEngine.lands_ahead``) and this load's batches are announced (see ``_announce``).
+        ``upcoming`` must then name a slot that nothing reads or writes until that bucket
+        is packed, and ``drain`` must run before any slot or shard is given up."""
+        fallbacks = getattr(getattr(self.virtual, "conversion", None), "fallbacks", None)
+        return bool(getattr(self.ckpt.engine, "lands_ahead", False)) and not self.quant and not fallbacks
+
+    def drain(self) -> None:
+        """Waits for every read in flight and drops the announced ones (reads of the next
+        bucket may be landing in its slot or in the shards): before a pipeline that stopped
+        early, after a failure anywhere, gives up its memory."""
+        self._next = None
+        drain = getattr(self.ckpt.engine, "drain", None)
+        if drain is not None:
+            drain()
 
     def check_source(self) -> None:
         """Raises CheckpointFileError if a file shrank since it was opened (a
@@ -281,10 +293,7 @@ class Packer:
         except BaseException:
             # Reads announced for this bucket or the next must not outlive the failure: a
             # retry with the same ops would otherwise take their (possibly stale) buffers.
-            self._next = None
-            drain = getattr(self.ckpt.engine, "drain", None)
-            if drain is not None:
-                drain()
+            self.drain()
             raise
         finally:
             self._keep.clear()

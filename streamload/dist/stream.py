@@ -168,6 +168,9 @@ def read_owned(
             gather_or_raise(None, failure, group_rank, group, device)
         settle(device)
     finally:
+        # A stop before the last bucket (this rank's failure or another's) leaves the next
+        # bucket's reads landing in the shards: they end here, before the shards may go.
+        packer.drain()
         if bar is not None:
             bar.close()
         _close_quietly(stager)
@@ -202,13 +205,12 @@ def _stream(
     allocation: BaseException | None = None
     try:
         if packer is not None and plan.buckets:
-            nslots = min(slots, len(plan.buckets))
-            stager = open_stager(device, nslots, plan.max_bucket_bytes)
+            stager = open_stager(device, depth, plan.max_bucket_bytes)
             if stager is None:
-                # Bucket k+1's reads may land in its slot while bucket k is packed and the
-                # buckets before it are in flight: one slot more than buckets in flight.
-                ahead = packer.lands_ahead and len(plan.buckets) > nslots
-                ring = StagingRing(nslots + 1 if ahead else nslots, plan.max_bucket_bytes)
+                # Bucket k+1's reads may land in its slot while bucket k is packed and buckets
+                # k-depth+1..k-1 are in flight: then the ring holds one slot more than that.
+                ahead = packer.lands_ahead and len(plan.buckets) > depth
+                ring = StagingRing(depth + 1 if ahead else depth, plan.max_bucket_bytes)
             packer.bytes_read = 0
         recv_ring = [
             torch.empty(recv_len, dtype=torch.uint8, device=device) for _ in range(depth if recv_len else 1)
@@ -284,6 +286,8 @@ def _stream(
         gather_or_raise(None, failure, transport.rank, group, device)
         raise RuntimeError("unreachable: a failure was signalled but none was gathered")
     finally:
+        if packer is not None:
+            packer.drain()  # reads of the next bucket may be landing in its slot (see read_owned)
         if bar is not None:
             bar.close()
         _close_quietly(stager)  # waits for its copies, unregisters its host slots

@@ -3,8 +3,9 @@
 Reading a cold file through a memory map faults one page (or one readahead
 window) at a time. ``ColdEngine`` stands in for the native ``CopyEngine``:
 before a batch of copy ops runs, the byte spans its ops read from the files
-are read with large aligned preads into one read buffer, laid out so that every
-read lands in place, and the ops are rewritten to copy from that buffer.
+are read with large preads into one read buffer (``O_DIRECT``: widened to
+aligned bounds and laid out so that every read lands at its place in the
+buffer), and the ops are rewritten to copy from that buffer.
 Packing, fusion and casts are the engine's, unchanged. A buffered read of a
 plain copy (same dtype, contiguous at both ends: a whole tensor, a row slice,
 one expert of a fused stack) skips the buffer and lands in its destination.
@@ -133,7 +134,7 @@ class ColdEngine:
     disk keeps reading while this bucket is copied, scattered and agreed on.
     Memory: ``buffers`` buffers of about ``chunk_bytes`` (``peak_buffer_bytes``),
     whatever the number of batches, plus the reader's bounce buffers for reads it
-    cannot land in place.
+    cannot land at their place in a buffer.
 
     Args:
         engine: the native CopyEngine that runs the rewritten ops.
@@ -356,7 +357,7 @@ class ColdEngine:
             else np.zeros(len(rows), dtype=bool)
         )
         # The other ops' spans per file, merged, laid out aligned in the buffer (O_DIRECT: the
-        # spans aligned too, so that every read lands in place).
+        # spans aligned too, so that every read lands at its place in the buffer).
         plan: list[tuple[int, np.ndarray]] = []
         total = 0
         for f in np.unique(fidx):
@@ -388,7 +389,9 @@ class ColdEngine:
             where[m] = base + spans[k, 2] + (a[m] - spans[k, 0])
             o = np.nonzero((fidx == f) & own)[0]
             buffered = np.stack([spans[:, 0], spans[:, 1], base + spans[:, 2], spans[:, 3]], axis=1)
-            landed = np.stack([a[o], b[o] - a[o], dst[o], b[o] - a[o]], axis=1)
+            # Each landed read is bounded by its destination's room (the reader checks it).
+            room_left = rows[o, _DST_NBYTES] - rows[o, _DST_OFFSET] * isz[o]
+            landed = np.stack([a[o], b[o] - a[o], dst[o], room_left], axis=1)
             ranges = np.concatenate([buffered, landed])
             ranges = np.ascontiguousarray(ranges[np.argsort(ranges[:, 0], kind="stable")])
             reader = self._lanes.get()
@@ -453,7 +456,8 @@ class ColdEngine:
         f = np.clip(fidx, 0, max(len(self.paths) - 1, 0))
         end = self.data_starts[f] + rows[:, _SRC] + (hi + 1) * isz
         # Ops out of bounds (the engine's to report) and ops from memory run first, as they are:
-        # a bad batch then fails before any chunk is written.
+        # a bad batch then fails before any chunk is copied out (an announced batch's reads
+        # may have landed already; the load fails all the same and drains them).
         cold &= (
             (lo >= 0)
             & ((hi + 1) * isz <= rows[:, _SRC_NBYTES])

@@ -9,7 +9,9 @@ chunks are copied, or bucket k is scattered and its status agreed, the disk is
 already reading bucket k+1 (up to the read buffers' size: one bucket ahead, no further).
 
 Memory is fixed: ``buffers`` read buffers, whatever the number of batches
-announced (an announced batch holds no memory until a buffer frees).
+announced (an announced batch holds no read buffer until one frees). A chunk's
+read may also write the caller's memory (the cold engine lands plain copies in
+their destinations), so ``drain`` must run before that memory is given up.
 """
 
 from __future__ import annotations
@@ -74,7 +76,7 @@ class ReadAhead(Generic[R]):
 
     def announce(self, key: np.ndarray, chunks: list[np.ndarray], tag: int = -1) -> None:
         """Queues a batch whose reads start as soon as buffers free up (``tag``: its bucket)."""
-        self._batches.append(Batch[R](key, chunks, tag))
+        self._batches.append(Batch(key, chunks, tag))
         self.pump()
 
     def announced(self, key: np.ndarray) -> bool:
@@ -88,7 +90,7 @@ class ReadAhead(Generic[R]):
             batch = self._batches[0]
         else:
             self.drain()
-            batch = Batch[R](key, chunks, tag)
+            batch = Batch(key, chunks, tag)
             self._batches.append(batch)
         self.pump()
         return batch
