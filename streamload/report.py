@@ -22,7 +22,8 @@ class LoadReport:
         gbps: payload_bytes / seconds / 1e9.
         buckets: collectives issued.
         bucket_bytes: configured bucket size.
-        slots: staging slots.
+        slots: staging slots asked for (buckets in flight); a cold, buffered CPU ``src`` or
+            ``node`` reader holds one more, which the next bucket's reads land in.
         peak_staging_bytes: the most bytes the reader's staging ring held.
         bytes_received: bytes each rank received, by rank.
         missing_keys / unexpected_keys: as matched (non-empty only with strict=False).
