@@ -41,7 +41,9 @@ def test_bench_cold_evicts_measures_the_disk_and_repeats(tmp_path: Path) -> None
         assert r["disk_gbps"] > 0 and r["file_bytes"] > 0 and r["buffered_gbps"] > 0
         assert len(r["cpu_seconds"]) == 2 and all(c > 0 for c in r["cpu_seconds"]), r
     owners = rows[0]
-    # Every rank read its own shards from the disk: together at least the shard bytes.
-    assert sum(owners["disk_bytes_read"]) >= owners["shard_bytes"] > 0, owners
+    # The ranks read from the disk (a rank may find a file this small cached by its peer's
+    # reads and map it: read_mode "auto" decides per rank), none more than the files.
+    assert sum(owners["disk_bytes_read"]) > 0 and owners["shard_bytes"] > 0, owners
+    assert max(owners["disk_bytes_read"]) <= owners["file_bytes"], owners
     table = (out / "table.md").read_text()
     assert "vs read once" in table and "read files once s" in table and "one buffered stream s" in table

@@ -183,10 +183,13 @@ def test_chunked_reads_bit_exact(ckpts: dict[str, str], chunk: int) -> None:
     """Ops cut along their outer dims into many small chunks, read on the helper
     thread while the previous chunk is copied: the same bytes."""
     c = Checkpoint(ckpts["one_file"], mode="cold")
-    c.engine = cold.ColdEngine(c.engine.engine, c.files, block_bytes=4096, chunk_bytes=chunk)
-    _check_all(c, ckpts["one_file"])
-    assert c.engine.stats.reads > 10
-    c.engine.close()
+    first, c.engine = c.engine, cold.ColdEngine(c.engine.engine, c.files, block_bytes=4096, chunk_bytes=chunk)
+    first.close()
+    try:
+        _check_all(c, ckpts["one_file"])
+        assert c.engine.stats.reads > 10
+    finally:
+        c.engine.close()
 
 
 def test_transposed_source_larger_than_a_chunk_is_cut_not_recursed() -> None:
@@ -303,7 +306,8 @@ def test_plain_copies_land_in_place_the_rest_through_the_buffers(
         monkeypatch.setenv("STREAMLOAD_DIRECT_IO", direct_io)
     ckpt = ckpts["one_file"]
     c = Checkpoint(ckpt, mode="cold")
-    c.engine = cold.ColdEngine(c.engine.engine, c.files, in_place=in_place)
+    first, c.engine = c.engine, cold.ColdEngine(c.engine.engine, c.files, in_place=in_place)
+    first.close()
     with safe_open(_paths(ckpt)[0], "pt") as f:
         names = [
             k
@@ -397,6 +401,7 @@ def _op(
     src_offset: int = 0,
     dst_offset: int = 0,
     dst_nbytes: int = 1 << 30,
+    dst: int = 1 << 20,
 ) -> list[int]:
     """One op row as OpBatch lays it out (csrc/copy_engine.h, CopyOp)."""
     from streamload.io import _native
@@ -404,7 +409,7 @@ def _op(
     pad = _native.MAX_DIMS - len(shape)
     codes = _native.DTYPE_CODES
     return [
-        file, src, 1 << 30, codes[dtypes[0]], 1 << 20, dst_nbytes, codes[dtypes[1]], len(shape),
+        file, src, 1 << 30, codes[dtypes[0]], dst, dst_nbytes, codes[dtypes[1]], len(shape),
         src_offset, dst_offset, *shape, *[1] * pad, *src_strides, *[0] * pad, *dst_strides, *[0] * pad,
     ]  # fmt: skip
 
@@ -425,6 +430,8 @@ def test_in_place_picks_plain_copies_only() -> None:
         "dim of one, odd strides": (_op([1, 8], [999, 1], [7, 1], src=200_000), True),
         "3-D contiguous": (_op([2, 3, 4], [12, 4, 1], [12, 4, 1], src=300_000), True),
         "column slice": (_op([4, 3], [6, 1], [3, 1], src=400_000), False),
+        "into a column slice": (_op([4, 3], [3, 1], [6, 1], src=450_000), False),
+        "null destination": (_op([4, 6], [6, 1], [6, 1], src=480_000, dst=0), False),
         "transposed": (_op([4, 6], [1, 4], [6, 1], src=500_000), False),
         "broadcast (stride 0)": (_op([4, 6], [0, 1], [6, 1], src=600_000), False),
         "reversed (stride -1)": (_op([6], [-1], [1], src=700_000, src_offset=5), False),

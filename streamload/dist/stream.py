@@ -168,12 +168,14 @@ def read_owned(
             gather_or_raise(None, failure, group_rank, group, device)
         settle(device)
     finally:
-        # A stop before the last bucket (this rank's failure or another's) leaves the next
-        # bucket's reads landing in the shards: they end here, before the shards may go.
-        packer.drain()
-        if bar is not None:
-            bar.close()
-        _close_quietly(stager)
+        try:
+            # A stop before the last bucket (this rank's failure or another's) leaves the next
+            # bucket's reads landing in the shards: they end here, before the shards may go.
+            packer.drain()
+        finally:
+            if bar is not None:
+                bar.close()
+            _close_quietly(stager)
     return (stager.peak_bytes if stager else 0), packer.bytes_read
 
 
@@ -286,13 +288,15 @@ def _stream(
         gather_or_raise(None, failure, transport.rank, group, device)
         raise RuntimeError("unreachable: a failure was signalled but none was gathered")
     finally:
-        if packer is not None:
-            packer.drain()  # reads of the next bucket may be landing in its slot (see read_owned)
-        if bar is not None:
-            bar.close()
-        _close_quietly(stager)  # waits for its copies, unregisters its host slots
-        # The receive buffers go back to torch's caching allocator (never empty_cache()).
-        del recv_ring
+        try:
+            if packer is not None:
+                packer.drain()  # reads of the next bucket may be landing in its slot (see read_owned)
+        finally:
+            if bar is not None:
+                bar.close()
+            _close_quietly(stager)  # waits for its copies, unregisters its host slots
+            # The receive buffers go back to torch's caching allocator (never empty_cache()).
+            del recv_ring
 
 
 def _agree_on_buffers(

@@ -389,9 +389,9 @@ class ColdEngine:
             where[m] = base + spans[k, 2] + (a[m] - spans[k, 0])
             o = np.nonzero((fidx == f) & own)[0]
             buffered = np.stack([spans[:, 0], spans[:, 1], base + spans[:, 2], spans[:, 3]], axis=1)
-            # Each landed read is bounded by its destination's room (the reader checks it).
-            room_left = rows[o, _DST_NBYTES] - rows[o, _DST_OFFSET] * isz[o]
-            landed = np.stack([a[o], b[o] - a[o], dst[o], room_left], axis=1)
+            # A landed read may write its own bytes and no more (the bytes after them are other
+            # ops' destinations); _in_place checked that they fit the destination.
+            landed = np.stack([a[o], b[o] - a[o], dst[o], b[o] - a[o]], axis=1)
             ranges = np.concatenate([buffered, landed])
             ranges = np.ascontiguousarray(ranges[np.argsort(ranges[:, 0], kind="stable")])
             reader = self._lanes.get()
