@@ -22,8 +22,9 @@ class LoadReport:
         gbps: payload_bytes / seconds / 1e9.
         buckets: collectives issued.
         bucket_bytes: configured bucket size.
-        slots: staging slots asked for (buckets in flight); a cold, buffered CPU ``src`` or
-            ``node`` reader holds one more, which the next bucket's reads land in.
+        slots: staging slots asked for (buckets in flight); a CPU ``src`` or ``node`` reader
+            whose next bucket's reads land in its slot (cold, buffered: ``Packer.lands_ahead``)
+            holds one more (``peak_staging_bytes`` counts it).
         peak_staging_bytes: the most bytes the reader's staging ring held.
         bytes_received: bytes each rank received, by rank.
         missing_keys / unexpected_keys: as matched (non-empty only with strict=False).

@@ -55,8 +55,9 @@ def load_checkpoint(
         strict: raise KeyMismatchError on missing/unexpected keys (all ranks, before any weight is
             sent); else report them.
         bucket_bytes: bytes per collective, all ranks together (default: 64 MiB on CPU, 256 MiB on GPUs).
-        slots: staging slots (>= 2 overlaps packing with transport); a cold, buffered CPU
-            ``src``/``node`` reader holds one more, so the next bucket's reads land in its slot.
+        slots: staging slots (>= 2 overlaps packing with transport); a CPU ``src``/``node``
+            reader whose next bucket's reads land in its slot (cold, buffered:
+            ``Packer.lands_ahead``) holds one more.
         progress: tqdm bar on ``src_rank`` (default: when stderr is a TTY; STREAMLOAD_PROGRESS=0/1 overrides).
         process_group: group to load over (default: the default group).
         device_mesh: the mesh the model is sharded on (for the device type).
