@@ -297,7 +297,7 @@ def test_plain_copies_land_in_place_the_rest_through_the_buffers(
     slice) are read straight into their destinations; a column slice, a cast, and two
     copies of one tensor go through the read buffers. Same bytes and same byte count as
     the mapped engine in every mode; nothing lands in place when turned off or O_DIRECT."""
-    from streamload.io.copy_ops import OpBatch
+    from streamload.io.copy_ops import ST_DTYPES, OpBatch
 
     monkeypatch.delenv("STREAMLOAD_IN_PLACE", raising=False)
     if direct_io is None:
@@ -333,7 +333,7 @@ def test_plain_copies_land_in_place_the_rest_through_the_buffers(
             src_nbytes=info.nbytes,
             src_dtype=info.dtype,
             dst=dst,
-            dst_dtype={torch.bfloat16: "BF16", torch.float32: "F32"}[dtype],
+            dst_dtype=ST_DTYPES[dtype],
             shape=list(part.shape),
             src_strides=[n_cols, 1],
             dst_strides=[part.shape[1], 1],

@@ -195,8 +195,14 @@ class Packer:
         ``ColdEngine.lands_ahead``) and this load's batches are announced (see ``_announce``).
         ``upcoming`` must then name a slot that nothing reads or writes until that bucket
         is packed, and ``drain`` must run before any slot or shard is given up."""
+        return bool(getattr(self.ckpt.engine, "lands_ahead", False)) and self._announces
+
+    @property
+    def _announces(self) -> bool:
+        """This load's batches may be announced: none reads quantized sources (dequantized on
+        the fly) or tensors built by transformers' ops (those hold one group at a time)."""
         fallbacks = getattr(getattr(self.virtual, "conversion", None), "fallbacks", None)
-        return bool(getattr(self.ckpt.engine, "lands_ahead", False)) and not self.quant and not fallbacks
+        return not self.quant and not fallbacks
 
     def drain(self) -> None:
         """Waits for every read in flight and drops the announced ones (reads of the next
@@ -246,8 +252,7 @@ class Packer:
         (those hold one source group at a time, or read through the files), nor for
         engines without read-ahead (``expect``)."""
         expect = getattr(self.ckpt.engine, "expect", None)
-        fallbacks = getattr(getattr(self.virtual, "conversion", None), "fallbacks", None)
-        if expect is None or self.quant or fallbacks or batch.dequantizing:
+        if expect is None or not self._announces or batch.dequantizing:
             return False
         if self._index is None:
             self._index = {id(b): i for i, b in enumerate(self.plan.buckets)}

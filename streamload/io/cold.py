@@ -358,10 +358,11 @@ class ColdEngine:
         )
         # The other ops' spans per file, merged, laid out aligned in the buffer (O_DIRECT: the
         # spans aligned too, so that every read lands at its place in the buffer).
-        plan: list[tuple[int, np.ndarray]] = []
+        # Per file: its spans, the ops read through the buffer, the ops landing in place.
+        plan: list[tuple[int, np.ndarray, np.ndarray, np.ndarray]] = []
         total = 0
         for f in np.unique(fidx):
-            m = (fidx == f) & ~own
+            m = np.nonzero((fidx == f) & ~own)[0]
             sa = a[m] if self.buffered else (a[m] // ALIGN) * ALIGN
             sb = b[m] if self.buffered else np.minimum(-(-b[m] // ALIGN) * ALIGN, self.sizes[f])
             order = np.argsort(sa, kind="stable")
@@ -377,17 +378,16 @@ class ColdEngine:
             room = -(-(en - st) // ALIGN) * ALIGN
             pos = total + np.concatenate([[0], np.cumsum(room)[:-1]]).astype(np.int64)
             total += int(room.sum())
-            plan.append((int(f), np.stack([st, en - st, pos[: len(st)], room], axis=1)))
+            landed = np.nonzero((fidx == f) & own)[0]
+            plan.append((int(f), np.stack([st, en - st, pos[: len(st)], room], axis=1), m, landed))
         base = self._buffer(which, total) if total else 0
         with self._stats_lock:
             self.peak_buffer_bytes = max(self.peak_buffer_bytes, self.buffer_bytes)
         where = np.zeros(len(rows), dtype=np.int64)
         dst = rows[:, _DST] + rows[:, _DST_OFFSET] * isz
-        for f, spans in plan:
-            m = np.nonzero((fidx == f) & ~own)[0]
+        for f, spans, m, o in plan:
             k = np.searchsorted(spans[:, 0], a[m], side="right") - 1
             where[m] = base + spans[k, 2] + (a[m] - spans[k, 0])
-            o = np.nonzero((fidx == f) & own)[0]
             buffered = np.stack([spans[:, 0], spans[:, 1], base + spans[:, 2], spans[:, 3]], axis=1)
             # A landed read may write its own bytes and no more (the bytes after them are other
             # ops' destinations); _in_place checked that they fit the destination.
