@@ -1,11 +1,16 @@
-"""Cold loads read three ways, interleaved: buffered reads whose plain copies land in
-their destinations (the default), buffered reads through the read buffers, and O_DIRECT.
+"""Cold loads read four ways, interleaved: buffered reads whose plain copies land in
+their destinations (the default), the same with every window asked for with WILLNEED
+(no kernel readahead for the one reader), buffered reads through the read buffers, and
+O_DIRECT.
 
 Each variant's ranks are started with the variables of ``VARIANTS``:
 
 - ``in_place``: buffered (``STREAMLOAD_DIRECT_IO=0``, what a load without ``drop_cache``
   does by default); plain copies (same dtype, contiguous at both ends) are read straight
-  into the shard or staging slot they fill.
+  into the shard or staging slot they fill. The one reader of ``src`` reads dense chunks
+  through the kernel's readahead (``ColdEngine.read_front_to_back``).
+- ``willneed``: as ``in_place``, but every reader asks for its windows with WILLNEED on a
+  descriptor advised RANDOM (``STREAMLOAD_READ_AHEAD=0``; the default before readahead).
 - ``read_buffers``: buffered, every read into the engine's read buffers and copied out of
   them (``STREAMLOAD_IN_PLACE=0``; the default before plain copies landed in place).
 - ``o_direct``: ``STREAMLOAD_DIRECT_IO=1``.
@@ -22,7 +27,7 @@ that O_DIRECT does not, and a read through the buffers one more copy: the CPU co
 what the wall time buys.
 
     python benchmarks/bench_direct_io.py CKPT --ranks 2 4 --repeat 6 [--fresh] \
-        [--strategy streamload] [--variants in_place read_buffers o_direct]
+        [--strategy streamload] [--variants in_place willneed read_buffers o_direct]
 
 ``--strategy`` is a ``streamload bench`` strategy: ``streamload`` (src: rank 0 reads and
 scatters) or ``streamload_owners`` (every rank reads its own shards).
@@ -39,9 +44,10 @@ from dataclasses import dataclass, field
 from streamload.tools.bench.runner import BenchGroup
 
 VARIANTS: dict[str, dict[str, str]] = {
-    "in_place": {"STREAMLOAD_DIRECT_IO": "0", "STREAMLOAD_IN_PLACE": "1"},
-    "read_buffers": {"STREAMLOAD_DIRECT_IO": "0", "STREAMLOAD_IN_PLACE": "0"},
-    "o_direct": {"STREAMLOAD_DIRECT_IO": "1", "STREAMLOAD_IN_PLACE": "1"},
+    "in_place": {"STREAMLOAD_DIRECT_IO": "0", "STREAMLOAD_IN_PLACE": "1", "STREAMLOAD_READ_AHEAD": "1"},
+    "willneed": {"STREAMLOAD_DIRECT_IO": "0", "STREAMLOAD_IN_PLACE": "1", "STREAMLOAD_READ_AHEAD": "0"},
+    "read_buffers": {"STREAMLOAD_DIRECT_IO": "0", "STREAMLOAD_IN_PLACE": "0", "STREAMLOAD_READ_AHEAD": "1"},
+    "o_direct": {"STREAMLOAD_DIRECT_IO": "1", "STREAMLOAD_IN_PLACE": "1", "STREAMLOAD_READ_AHEAD": "1"},
 }
 
 

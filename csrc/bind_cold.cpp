@@ -22,6 +22,7 @@ py::dict stats_dict(const ReadStats& s) {
   d["bytes_read"] = s.bytes_read;
   d["windows"] = s.windows;
   d["direct_windows"] = s.direct_windows;
+  d["ahead_windows"] = s.ahead_windows;
   d["direct_refused"] = s.direct_refused;
   d["seconds"] = s.seconds;
   return d;
@@ -50,12 +51,14 @@ void bind_cold(py::module_& m) {
         "Drops the file's pages from the page cache (POSIX_FADV_DONTNEED), after writing back dirty ones.");
 
   py::class_<ColdReader, std::shared_ptr<ColdReader>>(m, "ColdReader")
-      .def(py::init([](size_t threads, uint64_t block_bytes, const std::string& direct, bool drop_behind) {
-             return std::make_shared<ColdReader>(threads, block_bytes, direct_arg(direct), drop_behind);
+      .def(py::init([](size_t threads, uint64_t block_bytes, const std::string& direct, bool drop_behind,
+                       bool read_ahead) {
+             return std::make_shared<ColdReader>(threads, block_bytes, direct_arg(direct), drop_behind, read_ahead);
            }),
            py::arg("threads") = 0, py::arg("block_bytes") = 8 << 20, py::arg("direct") = "auto",
-           py::arg("drop_behind") = false)
+           py::arg("drop_behind") = false, py::arg("read_ahead") = false)
       .def_property_readonly("threads", &ColdReader::threads)
+      .def_property_readonly("read_ahead", &ColdReader::read_ahead)
       .def_property_readonly("block_bytes", &ColdReader::block_bytes)
       .def(
           "read",

@@ -71,6 +71,10 @@ def test_checkpoint_cold_reads_bit_exact(ckpts: dict[str, str], name: str, monke
     c = Checkpoint(ckpts[name], mode="cold")
     _check_all(c, ckpts[name])
     assert c.engine.buffered and c.engine.stats.reads > 0 and c.engine.stats.direct_reads == 0
+    assert c.engine.stats.ahead_reads == 0  # a checkpoint on its own does not read front to back
+    c.engine.read_front_to_back(True)  # as the one reader of a load does
+    _check_all(c, ckpts[name])
+    assert c.engine.read_ahead and c.engine.stats.ahead_reads > 0
     monkeypatch.setenv("STREAMLOAD_DIRECT_IO", "1")
     monkeypatch.setenv("STREAMLOAD_TEST_DIRECT_EINVAL", "1")  # a file system refusing O_DIRECT
     c = Checkpoint(ckpts[name], mode="cold")
@@ -152,11 +156,16 @@ def test_cold_load_matches_transformers(
             assert len(readers_) == expect, res
             for r in readers_:
                 refused |= r["direct_refused"]
+                # The one reader of src reads every byte: the kernel may read ahead of its
+                # buffered reads. Owners and node readers read slices of the files: only the
+                # windows they ask for.
+                assert r["read_ahead"] is (readers == "src"), r
                 if direct_io == "1":
                     assert not r["buffered"] and (r["direct_reads"] > 0 or r["direct_refused"]), r
-                    assert r["in_place_bytes"] == 0, r
+                    assert r["in_place_bytes"] == 0 and r["ahead_reads"] == 0, r
                 else:
                     assert r["buffered"] and r["direct_reads"] == 0, r
+                    assert (r["ahead_reads"] > 0) is (readers == "src"), r
                     if dtype is None:  # the checkpoint's dtype: plain copies land in place
                         assert r["in_place_bytes"] > 0, r
             if any(r["mapped"] for r in res if r):
@@ -448,6 +457,38 @@ def test_in_place_picks_plain_copies_only() -> None:
     got = engine._in_place(rows, a, b, isz)
     assert dict(zip(cases, got.tolist(), strict=True)) == {k: v for k, (_, v) in cases.items()}
     engine.close()
+
+
+def test_read_front_to_back_only_where_the_kernel_may_read_ahead(
+    ckpts: dict[str, str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Off by default; on when asked, buffered; never with drop_cache (no page may stay) or
+    STREAMLOAD_READ_AHEAD=0; asking again after reads swaps the lane readers."""
+    monkeypatch.delenv("STREAMLOAD_DIRECT_IO", raising=False)
+    monkeypatch.delenv("STREAMLOAD_READ_AHEAD", raising=False)
+    c = Checkpoint(ckpts["one_file"], mode="cold")
+    assert not c.engine.read_ahead
+    c.engine.read_front_to_back(True)
+    assert c.engine.read_ahead
+    _check_all(c, ckpts["one_file"])
+    ahead = c.engine.stats.ahead_reads
+    assert ahead > 0
+    c.engine.read_front_to_back(False)
+    assert not c.engine.read_ahead
+    _check_all(c, ckpts["one_file"])
+    assert c.engine.stats.ahead_reads == ahead and c.engine.stats.reads > ahead
+    c.engine.close()
+    c = Checkpoint(ckpts["one_file"], mode="cold", drop_cache=True)
+    c.engine.read_front_to_back(True)
+    assert not c.engine.read_ahead
+    c.engine.close()
+    monkeypatch.setenv("STREAMLOAD_READ_AHEAD", "0")
+    c = Checkpoint(ckpts["one_file"], mode="cold")
+    c.engine.read_front_to_back(True)
+    assert not c.engine.read_ahead
+    _check_all(c, ckpts["one_file"])
+    assert c.engine.stats.ahead_reads == 0
+    c.engine.close()
 
 
 def test_env_turns_landing_in_place_off(ckpts: dict[str, str], monkeypatch: pytest.MonkeyPatch) -> None:

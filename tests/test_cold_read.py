@@ -353,3 +353,43 @@ def test_buffered_reads_ask_for_their_windows_only(tmp_path: Path) -> None:
         assert torch.equal(dst, data[off : off + n])
     resident, pages = ext.residency(str(p))
     assert 0.49 <= resident / pages <= 0.53, resident / pages
+
+
+def test_read_ahead_reads_dense_calls_through_the_kernels_readahead(tmp_path: Path) -> None:
+    """A read_ahead reader reads a call whose ranges cover their span front to back, and the
+    kernel reads past the call (bytes a reader of every byte reads next); a sparse call (one
+    rank's slices) still brings in its windows only; the bytes are right either way. A
+    reader that drops behind it never reads ahead."""
+    p = tmp_path / "ahead.bin"
+    mib = 1 << 20
+    data = torch.randint(0, 256, (32 * mib,), dtype=torch.uint8, generator=torch.Generator().manual_seed(8))
+    p.write_bytes(data.numpy().tobytes())
+    ext.evict(str(p))
+    if ext.residency(str(p))[0] > 0:
+        pytest.skip("this file system keeps pages after POSIX_FADV_DONTNEED")
+    assert not ext.ColdReader(direct="off", drop_behind=True, read_ahead=True).read_ahead
+    plain = ext.ColdReader(threads=1, block_bytes=4 << 20, direct="off")
+    ahead = ext.ColdReader(threads=1, block_bytes=4 << 20, direct="off", read_ahead=True)
+    assert ahead.read_ahead and not plain.read_ahead
+    # Dense: the first 8 MiB in uneven pieces that meet end to end (whole tensors).
+    cuts = [0, 1, 4097, 3 * mib + 5, 5 * mib, 8 * mib]
+    for reader, past in ((plain, False), (ahead, True)):
+        ext.evict(str(p))
+        rows = [
+            (a, b - a, torch.empty(b - a, dtype=torch.uint8)) for a, b in zip(cuts, cuts[1:], strict=False)
+        ]
+        stats = _read(reader, p, rows)
+        for off, n, dst in rows:
+            assert torch.equal(dst, data[off : off + n])
+        assert (stats["ahead_windows"] > 0) is past, stats
+        beyond = ext.residency(str(p), 8 * mib + 4096, 0)[0]
+        assert (beyond > 0) if past else (beyond == 0), beyond
+    # Sparse: every other MiB (as test_buffered_reads_ask_for_their_windows_only).
+    ext.evict(str(p))
+    rows = [(off, mib, torch.empty(mib, dtype=torch.uint8)) for off in range(0, 32 * mib, 2 * mib)]
+    stats = _read(ahead, p, rows)
+    assert stats["ahead_windows"] == 0, stats
+    for off, n, dst in rows:
+        assert torch.equal(dst, data[off : off + n])
+    resident, pages = ext.residency(str(p))
+    assert 0.49 <= resident / pages <= 0.53, resident / pages

@@ -348,6 +348,10 @@ def _plan_and_map(
     locals_ = [local_tensor(t) for t in local.tensors]
     mapped = MappedShards()
     ckpt = local.source
+    front_to_back = getattr(getattr(ckpt, "engine", None), "read_front_to_back", None)
+    if front_to_back is not None:
+        # The one reader reads every byte the load needs: the kernel may read ahead of it.
+        front_to_back(choice.reader_ranks(src_group_rank, world) == {group_rank})
     if options.map_files and device.type == "cpu" and isinstance(ckpt, Checkpoint) and local.mine:
         if group_rank in choice.reader_ranks(src_group_rank, world):
             mapped = map_shards(
