@@ -8,11 +8,11 @@ Each variant's ranks are started with the variables of ``VARIANTS``:
 - ``in_place``: buffered (``STREAMLOAD_DIRECT_IO=0``, what a load without ``drop_cache``
   does by default); plain copies (same dtype, contiguous at both ends) are read straight
   into the shard or staging slot they fill. The one reader of ``src`` reads dense chunks
-  through the kernel's readahead (``ColdEngine.read_front_to_back``).
+  front to back through the kernel's readahead (``ColdEngine.read_front_to_back``).
 - ``willneed``: as ``in_place``, but every reader asks for its windows with WILLNEED on a
-  descriptor advised RANDOM (``STREAMLOAD_READ_AHEAD=0``; the default before readahead).
+  descriptor advised RANDOM (``STREAMLOAD_FRONT_TO_BACK=0``; the default until stop 8).
 - ``read_buffers``: buffered, every read into the engine's read buffers and copied out of
-  them (``STREAMLOAD_IN_PLACE=0``; the default before plain copies landed in place).
+  them (``STREAMLOAD_IN_PLACE=0``).
 - ``o_direct``: ``STREAMLOAD_DIRECT_IO=1``.
 
 By default one warm rank group per variant (``BenchGroup``: processes started once, the
@@ -44,10 +44,14 @@ from dataclasses import dataclass, field
 from streamload.tools.bench.runner import BenchGroup
 
 VARIANTS: dict[str, dict[str, str]] = {
-    "in_place": {"STREAMLOAD_DIRECT_IO": "0", "STREAMLOAD_IN_PLACE": "1", "STREAMLOAD_READ_AHEAD": "1"},
-    "willneed": {"STREAMLOAD_DIRECT_IO": "0", "STREAMLOAD_IN_PLACE": "1", "STREAMLOAD_READ_AHEAD": "0"},
-    "read_buffers": {"STREAMLOAD_DIRECT_IO": "0", "STREAMLOAD_IN_PLACE": "0", "STREAMLOAD_READ_AHEAD": "1"},
-    "o_direct": {"STREAMLOAD_DIRECT_IO": "1", "STREAMLOAD_IN_PLACE": "1", "STREAMLOAD_READ_AHEAD": "1"},
+    "in_place": {"STREAMLOAD_DIRECT_IO": "0", "STREAMLOAD_IN_PLACE": "1", "STREAMLOAD_FRONT_TO_BACK": "1"},
+    "willneed": {"STREAMLOAD_DIRECT_IO": "0", "STREAMLOAD_IN_PLACE": "1", "STREAMLOAD_FRONT_TO_BACK": "0"},
+    "read_buffers": {
+        "STREAMLOAD_DIRECT_IO": "0",
+        "STREAMLOAD_IN_PLACE": "0",
+        "STREAMLOAD_FRONT_TO_BACK": "1",
+    },
+    "o_direct": {"STREAMLOAD_DIRECT_IO": "1", "STREAMLOAD_IN_PLACE": "1", "STREAMLOAD_FRONT_TO_BACK": "1"},
 }
 
 

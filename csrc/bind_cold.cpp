@@ -22,7 +22,7 @@ py::dict stats_dict(const ReadStats& s) {
   d["bytes_read"] = s.bytes_read;
   d["windows"] = s.windows;
   d["direct_windows"] = s.direct_windows;
-  d["ahead_windows"] = s.ahead_windows;
+  d["front_to_back_windows"] = s.front_to_back_windows;
   d["direct_refused"] = s.direct_refused;
   d["seconds"] = s.seconds;
   return d;
@@ -52,13 +52,13 @@ void bind_cold(py::module_& m) {
 
   py::class_<ColdReader, std::shared_ptr<ColdReader>>(m, "ColdReader")
       .def(py::init([](size_t threads, uint64_t block_bytes, const std::string& direct, bool drop_behind,
-                       bool read_ahead) {
-             return std::make_shared<ColdReader>(threads, block_bytes, direct_arg(direct), drop_behind, read_ahead);
+                       bool front_to_back) {
+             return std::make_shared<ColdReader>(threads, block_bytes, direct_arg(direct), drop_behind, front_to_back);
            }),
            py::arg("threads") = 0, py::arg("block_bytes") = 8 << 20, py::arg("direct") = "auto",
-           py::arg("drop_behind") = false, py::arg("read_ahead") = false)
+           py::arg("drop_behind") = false, py::arg("front_to_back") = false)
       .def_property_readonly("threads", &ColdReader::threads)
-      .def_property_readonly("read_ahead", &ColdReader::read_ahead)
+      .def_property_readonly("front_to_back", &ColdReader::front_to_back)
       .def_property_readonly("block_bytes", &ColdReader::block_bytes)
       .def(
           "read",

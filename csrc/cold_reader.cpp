@@ -36,13 +36,14 @@ constexpr size_t kOpenFiles = 4;
 // Bytes per POSIX_FADV_WILLNEED call (see ColdReader::read).
 constexpr uint64_t kAdviseSlice = 512 << 10;
 
-// Read ahead by the kernel: bytes per pread, and the share of a call's span its ranges
-// must cover (dense: whole tensors and row slices of consecutive tensors, as a reader of
-// every byte asks; a rank's slices of each tensor, or one expert projection of three, are
-// not). Measured here (1.4 GB, cold, 1-4 ranks): WILLNEED windows on a RANDOM descriptor
-// fill the page cache with 4 KiB pages, the kernel's own readahead with large folios.
-constexpr uint64_t kAheadPiece = 1 << 20;
-constexpr uint64_t kDenseNum = 15, kDenseDen = 16;
+// Front to back (a reader of every byte): bytes per pread, which the kernel's readahead
+// runs ahead of. WILLNEED windows on a RANDOM descriptor fill the page cache with 4 KiB
+// pages, the kernel's readahead with large folios (README, "Cold start", for the figures).
+constexpr uint64_t kFrontToBackPiece = 1 << 20;
+
+// A call read front to back covers 15/16 of its span or more: whole tensors and row slices
+// of consecutive tensors, not a rank's slices of each tensor or one projection of three.
+bool dense(uint64_t requested, uint64_t span) { return requested * 16 >= span * 15; }
 
 uint64_t align_down(uint64_t x) { return x / kDirectAlign * kDirectAlign; }
 uint64_t align_up(uint64_t x) { return (x + kDirectAlign - 1) / kDirectAlign * kDirectAlign; }
@@ -56,7 +57,7 @@ std::string errno_text(const char* what) { return std::string(what) + ": " + std
 struct Fds {
   int buffered = -1;
   int direct = -1;
-  int ahead = -1;  // buffered too, advised SEQUENTIAL: the kernel reads ahead of it (read_ahead readers)
+  int ahead_fd = -1;  // buffered too, advised SEQUENTIAL, for front_to_back readers (the kernel reads ahead)
   uint64_t size = 0;
   bool refused = false;
   // drop_behind: pages are dropped as soon as they are read, so the kernel must not
@@ -90,7 +91,7 @@ struct Fds {
   ~Fds() {
     if (buffered >= 0) ::close(buffered);
     if (direct >= 0) ::close(direct);
-    if (ahead >= 0) ::close(ahead);
+    if (ahead_fd >= 0) ::close(ahead_fd);
   }
   Fds(const Fds&) = delete;
   Fds& operator=(const Fds&) = delete;
@@ -102,19 +103,6 @@ namespace {
 // asks for `len` >= need (O_DIRECT wants whole aligned blocks, and returns a
 // short count at the end of the file). Returns bytes read, or -1 on EINVAL
 // (O_DIRECT refused for this file or buffer) when `einval_ok`.
-int64_t read_span(int fd, char* dst, uint64_t offset, uint64_t len, uint64_t need, bool einval_ok,
-                  const std::string& path);
-
-// Buffered bytes [offset, offset + n) into dst: one pread, or preads of kAheadPiece front
-// to back (`pieces`: the kernel reads ahead of them with large folios).
-void read_buffered(int fd, char* dst, uint64_t offset, uint64_t n, bool pieces, const std::string& path) {
-  uint64_t step = pieces ? kAheadPiece : n;
-  for (uint64_t at = 0; at < n; at += step) {
-    uint64_t m = std::min(step, n - at);
-    read_span(fd, dst + at, offset + at, m, m, false, path);
-  }
-}
-
 int64_t read_span(int fd, char* dst, uint64_t offset, uint64_t len, uint64_t need, bool einval_ok,
                   const std::string& path) {
   uint64_t got = 0;
@@ -129,6 +117,16 @@ int64_t read_span(int fd, char* dst, uint64_t offset, uint64_t len, uint64_t nee
     got += static_cast<uint64_t>(n);
   }
   return static_cast<int64_t>(got);
+}
+
+// Buffered bytes [offset, offset + n) into dst: one pread, or preads of kFrontToBackPiece
+// front to back (`pieces`: the kernel's readahead runs ahead of them).
+void read_buffered(int fd, char* dst, uint64_t offset, uint64_t n, bool pieces, const std::string& path) {
+  uint64_t step = pieces ? kFrontToBackPiece : n;
+  for (uint64_t at = 0; at < n; at += step) {
+    uint64_t m = std::min(step, n - at);
+    read_span(fd, dst + at, offset + at, m, m, false, path);
+  }
 }
 
 struct Window {
@@ -182,12 +180,12 @@ void evict(const std::string& path, uint64_t offset, uint64_t length, bool sync)
 
 ColdReader::Buffer::~Buffer() { std::free(p); }
 
-ColdReader::ColdReader(size_t threads, uint64_t block_bytes, DirectMode direct, bool drop_behind, bool read_ahead)
+ColdReader::ColdReader(size_t threads, uint64_t block_bytes, DirectMode direct, bool drop_behind, bool front_to_back)
     : pool_(threads ? threads : 8),
       block_(align_up(std::max<uint64_t>(block_bytes, kDirectAlign))),
       direct_(direct),
       drop_behind_(drop_behind),
-      read_ahead_(read_ahead && !drop_behind),
+      front_to_back_(front_to_back && !drop_behind),
       test_einval_(env_flag("STREAMLOAD_TEST_DIRECT_EINVAL")) {}
 
 char* ColdReader::acquire() {
@@ -232,15 +230,16 @@ std::shared_ptr<Fds> ColdReader::open(const std::string& path, int expect_fd) {
     // own readahead would also read what lies between them, which on a rank that reads
     // every other slice of each tensor is the next rank's bytes.
     if (f->direct < 0) ::posix_fadvise(f->buffered, 0, 0, POSIX_FADV_RANDOM);
-    if (f->direct < 0 && read_ahead_) {
+    if (f->direct < 0 && front_to_back_) {
       // A second description of the same file, with readahead state of its own.
-      f->ahead = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+      f->ahead_fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+      if (f->ahead_fd < 0) throw FileError(errno_text("cannot open"), path);
       struct stat a, b;
-      if (f->ahead < 0 || ::fstat(f->ahead, &a) != 0 || ::fstat(f->buffered, &b) != 0)
-        throw FileError(errno_text("cannot open"), path);
+      if (::fstat(f->ahead_fd, &a) != 0 || ::fstat(f->buffered, &b) != 0)
+        throw FileError(errno_text("cannot stat"), path);
       if (a.st_dev != b.st_dev || a.st_ino != b.st_ino)
         throw FileError("the file was replaced while it was opened", path);
-      ::posix_fadvise(f->ahead, 0, 0, POSIX_FADV_SEQUENTIAL);
+      ::posix_fadvise(f->ahead_fd, 0, 0, POSIX_FADV_SEQUENTIAL);
     }
   }
   fds_.emplace_back(path, f);
@@ -291,13 +290,10 @@ ReadStats ColdReader::read(const std::string& path, const std::vector<ReadRange>
       }
     }
   }
-  // Dense (see kDenseNum) buffered calls of a read_ahead reader go through the kernel's readahead.
-  bool ahead = false;
-  if (f.ahead >= 0 && f.direct < 0 && !rs.empty()) {
-    uint64_t span = rs.back().offset + rs.back().nbytes - rs.front().offset;
-    ahead = stats.bytes_requested * kDenseDen >= span * kDenseNum;
-  }
-  const int bfd = ahead ? f.ahead : f.buffered;
+  // A front_to_back reader reads a dense buffered call through the kernel's readahead.
+  const bool front_to_back = f.ahead_fd >= 0 && f.direct < 0 && !rs.empty() &&
+                             dense(stats.bytes_requested, rs.back().offset + rs.back().nbytes - rs.front().offset);
+  const int read_fd = front_to_back ? f.ahead_fd : f.buffered;
   std::atomic<bool> direct_ok{f.direct >= 0};
   std::atomic<bool> refused{f.refused};
   std::atomic<uint64_t> bytes{0}, direct_windows{0};
@@ -358,13 +354,13 @@ ReadStats ColdReader::read(const std::string& path, const std::vector<ReadRange>
     if (single || (hi - lo) / static_cast<uint64_t>(last - first) >= kOwnRead) {
       for (auto r = first; r != last; ++r) {
         uint64_t a = std::max(lo, r->offset), b = std::min(hi, r->offset + r->nbytes);
-        read_buffered(bfd, r->dst + (a - r->offset), a, b - a, ahead, path);
+        read_buffered(read_fd, r->dst + (a - r->offset), a, b - a, front_to_back, path);
       }
       bytes.fetch_add(hi - lo);
     } else {
       char* bounce = acquire();
       try {
-        read_buffered(bfd, bounce, lo, hi - lo, ahead, path);
+        read_buffered(read_fd, bounce, lo, hi - lo, front_to_back, path);
         bytes.fetch_add(hi - lo);
         for (auto r = first; r != last; ++r) {
           uint64_t a = std::max(lo, r->offset), b = std::min(hi, r->offset + r->nbytes);
@@ -386,14 +382,14 @@ ReadStats ColdReader::read(const std::string& path, const std::vector<ReadRange>
     // Every window is requested up front, then copied out in file order as its pages
     // arrive. In slices: the kernel caps one WILLNEED at max(io_pages, ra_pages) (128 KiB
     // to a few MiB), and drops the rest of a larger one silently.
-    // Read ahead by the kernel instead: no WILLNEED (it fills the page cache with 4 KiB pages).
-    if (!ahead)
+    // Front to back: no WILLNEED, the kernel's readahead instead (see kFrontToBackPiece).
+    if (!front_to_back)
       for (const Window& win : windows)
         for (uint64_t at = win.begin; at < win.end; at += kAdviseSlice)
           ::posix_fadvise(f.buffered, static_cast<off_t>(at), static_cast<off_t>(std::min(kAdviseSlice, win.end - at)),
                           POSIX_FADV_WILLNEED);
     for (size_t w = 0; w < windows.size(); ++w) one(w);
-    if (ahead) stats.ahead_windows = windows.size();
+    if (front_to_back) stats.front_to_back_windows = windows.size();
   }
   // Once more over everything read, after every window finished: a page one window's
   // read brought in after its neighbour dropped its range goes too.

@@ -110,8 +110,8 @@ def case_cold_load(
         "mapped": rep.bytes_mapped,
         # This rank's cold reads (None where it opened no cold checkpoint).
         "buffered": engines[-1].buffered if engines else None,
-        "read_ahead": engines[-1].read_ahead if engines else None,
-        "ahead_reads": sum(st.ahead_reads for st in stats),
+        "front_to_back": engines[-1].front_to_back if engines else None,
+        "front_to_back_reads": sum(st.front_to_back_reads for st in stats),
         "cold_reads": sum(st.reads for st in stats),
         "direct_reads": sum(st.direct_reads for st in stats),
         "direct_refused": any(st.direct_refused for st in stats),

@@ -71,10 +71,10 @@ def test_checkpoint_cold_reads_bit_exact(ckpts: dict[str, str], name: str, monke
     c = Checkpoint(ckpts[name], mode="cold")
     _check_all(c, ckpts[name])
     assert c.engine.buffered and c.engine.stats.reads > 0 and c.engine.stats.direct_reads == 0
-    assert c.engine.stats.ahead_reads == 0  # a checkpoint on its own does not read front to back
+    assert c.engine.stats.front_to_back_reads == 0  # a checkpoint on its own does not read front to back
     c.engine.read_front_to_back(True)  # as the one reader of a load does
     _check_all(c, ckpts[name])
-    assert c.engine.read_ahead and c.engine.stats.ahead_reads > 0
+    assert c.engine.front_to_back and c.engine.stats.front_to_back_reads > 0
     monkeypatch.setenv("STREAMLOAD_DIRECT_IO", "1")
     monkeypatch.setenv("STREAMLOAD_TEST_DIRECT_EINVAL", "1")  # a file system refusing O_DIRECT
     c = Checkpoint(ckpts[name], mode="cold")
@@ -159,13 +159,13 @@ def test_cold_load_matches_transformers(
                 # The one reader of src reads every byte: the kernel may read ahead of its
                 # buffered reads. Owners and node readers read slices of the files: only the
                 # windows they ask for.
-                assert r["read_ahead"] is (readers == "src"), r
+                assert r["front_to_back"] is (readers == "src"), r
                 if direct_io == "1":
                     assert not r["buffered"] and (r["direct_reads"] > 0 or r["direct_refused"]), r
-                    assert r["in_place_bytes"] == 0 and r["ahead_reads"] == 0, r
+                    assert r["in_place_bytes"] == 0 and r["front_to_back_reads"] == 0, r
                 else:
                     assert r["buffered"] and r["direct_reads"] == 0, r
-                    assert (r["ahead_reads"] > 0) is (readers == "src"), r
+                    assert (r["front_to_back_reads"] > 0) is (readers == "src"), r
                     if dtype is None:  # the checkpoint's dtype: plain copies land in place
                         assert r["in_place_bytes"] > 0, r
             if any(r["mapped"] for r in res if r):
@@ -459,35 +459,72 @@ def test_in_place_picks_plain_copies_only() -> None:
     engine.close()
 
 
+@pytest.mark.parametrize(
+    ("mode", "src", "nodes", "world", "rank", "whole", "expect"),
+    [
+        ("src", 0, [], 4, 0, True, True),
+        ("src", 0, [], 4, 1, True, False),
+        ("src", 1, [], 4, 1, True, True),  # src_rank=1
+        ("src", 1, [], 4, 0, True, False),
+        ("src", 0, [], 2, 0, False, False),  # a load over a subgroup (one pipeline stage)
+        ("owners", 0, [], 1, 0, True, True),
+        ("owners", 0, [], 3, 0, True, False),
+        ("node", 0, [0], 3, 0, True, True),  # one node: its reader reads everything
+        ("node", 0, [0, 2], 4, 0, True, False),
+        ("node", 0, [0, 2], 4, 2, True, False),
+    ],
+)
+def test_reads_every_byte_only_the_one_reader_of_the_whole_world(
+    monkeypatch: pytest.MonkeyPatch,
+    mode: str,
+    src: int,
+    nodes: list[int],
+    world: int,
+    rank: int,
+    whole: bool,
+    expect: bool,
+) -> None:
+    """Whom the kernel may read ahead of (read_front_to_back): the only reader of a load
+    over every process, in any reader mode."""
+    from streamload.dist.readers import ReaderChoice, ReaderMode
+    from streamload.load import prepare
+
+    choice = ReaderChoice(ReaderMode(mode), "test", node_readers=nodes)
+    group = object()  # the load's group: the whole world or not
+    monkeypatch.setattr(prepare.dist, "get_world_size", lambda g=None: world if g is group or whole else 8)
+    assert prepare.reads_every_byte(choice.reader_ranks(src, world), rank, group) is expect
+    assert prepare.reads_every_byte({0}, 0, None)  # one process, no torch.distributed
+
+
 def test_read_front_to_back_only_where_the_kernel_may_read_ahead(
     ckpts: dict[str, str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Off by default; on when asked, buffered; never with drop_cache (no page may stay) or
-    STREAMLOAD_READ_AHEAD=0; asking again after reads swaps the lane readers."""
+    STREAMLOAD_FRONT_TO_BACK=0; asking again after reads swaps the lane readers."""
     monkeypatch.delenv("STREAMLOAD_DIRECT_IO", raising=False)
-    monkeypatch.delenv("STREAMLOAD_READ_AHEAD", raising=False)
+    monkeypatch.delenv("STREAMLOAD_FRONT_TO_BACK", raising=False)
     c = Checkpoint(ckpts["one_file"], mode="cold")
-    assert not c.engine.read_ahead
+    assert not c.engine.front_to_back
     c.engine.read_front_to_back(True)
-    assert c.engine.read_ahead
+    assert c.engine.front_to_back
     _check_all(c, ckpts["one_file"])
-    ahead = c.engine.stats.ahead_reads
+    ahead = c.engine.stats.front_to_back_reads
     assert ahead > 0
     c.engine.read_front_to_back(False)
-    assert not c.engine.read_ahead
+    assert not c.engine.front_to_back
     _check_all(c, ckpts["one_file"])
-    assert c.engine.stats.ahead_reads == ahead and c.engine.stats.reads > ahead
+    assert c.engine.stats.front_to_back_reads == ahead and c.engine.stats.reads > ahead
     c.engine.close()
     c = Checkpoint(ckpts["one_file"], mode="cold", drop_cache=True)
     c.engine.read_front_to_back(True)
-    assert not c.engine.read_ahead
+    assert not c.engine.front_to_back
     c.engine.close()
-    monkeypatch.setenv("STREAMLOAD_READ_AHEAD", "0")
+    monkeypatch.setenv("STREAMLOAD_FRONT_TO_BACK", "0")
     c = Checkpoint(ckpts["one_file"], mode="cold")
     c.engine.read_front_to_back(True)
-    assert not c.engine.read_ahead
+    assert not c.engine.front_to_back
     _check_all(c, ckpts["one_file"])
-    assert c.engine.stats.ahead_reads == 0
+    assert c.engine.stats.front_to_back_reads == 0
     c.engine.close()
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import struct
+import time
 from pathlib import Path
 from typing import Any
 
@@ -355,11 +356,46 @@ def test_buffered_reads_ask_for_their_windows_only(tmp_path: Path) -> None:
     assert 0.49 <= resident / pages <= 0.53, resident / pages
 
 
-def test_read_ahead_reads_dense_calls_through_the_kernels_readahead(tmp_path: Path) -> None:
-    """A read_ahead reader reads a call whose ranges cover their span front to back, and the
-    kernel reads past the call (bytes a reader of every byte reads next); a sparse call (one
-    rank's slices) still brings in its windows only; the bytes are right either way. A
-    reader that drops behind it never reads ahead."""
+def _read_ahead_kb(path: Path) -> int:
+    """The readahead window (KiB) of the block device holding ``path``; 0 where unknown."""
+    dev = os.stat(path).st_dev
+    base = Path(f"/sys/dev/block/{os.major(dev)}:{os.minor(dev)}")
+    for q in (base / "queue" / "read_ahead_kb", base / ".." / "queue" / "read_ahead_kb"):
+        if q.exists():
+            return int(q.read_text())
+    return 0
+
+
+def _guarded_read(
+    reader: Any, path: Path, spans: list[tuple[int, int]], data: torch.Tensor
+) -> dict[str, Any]:
+    """Reads ``spans`` into destinations with 64 guard bytes after each; checks the bytes
+    and that no guard byte was written."""
+    dsts = [torch.full((n + 64,), 0x5A, dtype=torch.uint8) for _, n in spans]
+    stats = _read(reader, path, [(off, n, d) for (off, n), d in zip(spans, dsts, strict=True)])
+    for (off, n), d in zip(spans, dsts, strict=True):
+        assert torch.equal(d[:n], data[off : off + n])
+        assert bool((d[n:] == 0x5A).all()), "a read wrote past its destination"
+    return stats
+
+
+def _resident_past(path: Path, offset: int) -> int:
+    """Resident pages from ``offset`` to the end, waiting up to a second for readahead in flight."""
+    got = 0
+    for _ in range(20):
+        got = ext.residency(str(path), offset, 0)[0]
+        if got:
+            break
+        time.sleep(0.05)
+    return got
+
+
+def test_front_to_back_reads_dense_calls_through_the_kernels_readahead(tmp_path: Path) -> None:
+    """A front_to_back reader reads a call whose ranges cover their span in 1 MiB preads the
+    kernel reads ahead of (it reads past the call: bytes the only reader reads next); a
+    sparse call (one rank's slices) still brings in its windows only. Ranges of 64 KiB or
+    more (one pread each) and shorter ones (one read into a bounce buffer, several pieces)
+    give the right bytes and write nothing past their destinations. Never with drop_behind."""
     p = tmp_path / "ahead.bin"
     mib = 1 << 20
     data = torch.randint(0, 256, (32 * mib,), dtype=torch.uint8, generator=torch.Generator().manual_seed(8))
@@ -367,29 +403,26 @@ def test_read_ahead_reads_dense_calls_through_the_kernels_readahead(tmp_path: Pa
     ext.evict(str(p))
     if ext.residency(str(p))[0] > 0:
         pytest.skip("this file system keeps pages after POSIX_FADV_DONTNEED")
-    assert not ext.ColdReader(direct="off", drop_behind=True, read_ahead=True).read_ahead
+    if _read_ahead_kb(p) == 0:
+        pytest.skip("the device holding the test files does not read ahead")
+    assert not ext.ColdReader(direct="off", drop_behind=True, front_to_back=True).front_to_back
     plain = ext.ColdReader(threads=1, block_bytes=4 << 20, direct="off")
-    ahead = ext.ColdReader(threads=1, block_bytes=4 << 20, direct="off", read_ahead=True)
-    assert ahead.read_ahead and not plain.read_ahead
-    # Dense: the first 8 MiB in uneven pieces that meet end to end (whole tensors).
-    cuts = [0, 1, 4097, 3 * mib + 5, 5 * mib, 8 * mib]
+    ahead = ext.ColdReader(threads=1, block_bytes=4 << 20, direct="off", front_to_back=True)
+    assert ahead.front_to_back and not plain.front_to_back
+    cuts = [0, 1, 4097, 3 * mib + 5, 5 * mib, 8 * mib]  # whole tensors meeting end to end
+    dense = list(zip(cuts, [b - a for a, b in zip(cuts, cuts[1:], strict=False)], strict=False))
+    short = [(9 * mib + 20_000 * i, 20_000) for i in range(200)]  # ~3.8 MiB of 20 KB ranges
     for reader, past in ((plain, False), (ahead, True)):
         ext.evict(str(p))
-        rows = [
-            (a, b - a, torch.empty(b - a, dtype=torch.uint8)) for a, b in zip(cuts, cuts[1:], strict=False)
-        ]
-        stats = _read(reader, p, rows)
-        for off, n, dst in rows:
-            assert torch.equal(dst, data[off : off + n])
-        assert (stats["ahead_windows"] > 0) is past, stats
-        beyond = ext.residency(str(p), 8 * mib + 4096, 0)[0]
+        stats = _guarded_read(reader, p, dense, data)
+        assert (stats["front_to_back_windows"] > 0) is past, stats
+        beyond = _resident_past(p, 8 * mib + 4096) if past else ext.residency(str(p), 8 * mib + 4096, 0)[0]
         assert (beyond > 0) if past else (beyond == 0), beyond
+        stats = _guarded_read(reader, p, short, data)
+        assert (stats["front_to_back_windows"] > 0) is past, stats
     # Sparse: every other MiB (as test_buffered_reads_ask_for_their_windows_only).
     ext.evict(str(p))
-    rows = [(off, mib, torch.empty(mib, dtype=torch.uint8)) for off in range(0, 32 * mib, 2 * mib)]
-    stats = _read(ahead, p, rows)
-    assert stats["ahead_windows"] == 0, stats
-    for off, n, dst in rows:
-        assert torch.equal(dst, data[off : off + n])
+    stats = _guarded_read(ahead, p, [(off, mib) for off in range(0, 32 * mib, 2 * mib)], data)
+    assert stats["front_to_back_windows"] == 0, stats
     resident, pages = ext.residency(str(p))
     assert 0.49 <= resident / pages <= 0.53, resident / pages

@@ -10,7 +10,7 @@ Packing, fusion and casts are the engine's, unchanged. A buffered read of a
 plain copy (same dtype, contiguous at both ends: a whole tensor, a row slice,
 one expert of a fused stack) skips the buffer and lands in its destination.
 The reads are buffered (each chunk's windows asked of the kernel up front with
-``POSIX_FADV_WILLNEED``, no readahead beyond them; a rank that reads every byte
+``POSIX_FADV_WILLNEED``, no readahead beyond them; the only reader of a load
 lets the kernel read ahead instead, see ``ColdEngine.read_front_to_back``) or
 ``O_DIRECT`` (several in flight; with ``drop_cache``, or forced with
 ``STREAMLOAD_DIRECT_IO=1``; buffered where the file system refuses it): see
@@ -120,7 +120,7 @@ class ColdStats:
     seconds: float = 0.0
     reads: int = 0
     direct_reads: int = 0
-    ahead_reads: int = 0  # buffered reads the kernel read ahead of (read_front_to_back)
+    front_to_back_reads: int = 0  # buffered reads the kernel read ahead of (read_front_to_back)
     direct_refused: bool = False
     in_place_bytes: int = 0  # source bytes read straight into their destinations (buffered)
 
@@ -155,7 +155,7 @@ class ColdEngine:
             their destinations, with no read buffer and no copy out of it; the copies that
             cast, slice columns or share source bytes go through the buffers.
             ``STREAMLOAD_IN_PLACE=0`` turns it off (every read goes through the buffers).
-        read_ahead: see ``read_front_to_back``.
+        front_to_back: see ``read_front_to_back``.
     """
 
     def __init__(
@@ -169,7 +169,7 @@ class ColdEngine:
         buffers: int = 4,
         lanes: int = 2,
         in_place: bool = True,
-        read_ahead: bool = False,
+        front_to_back: bool = False,
     ) -> None:
         self.engine = engine
         self.paths = [f.path for f in files]
@@ -180,9 +180,10 @@ class ColdEngine:
         # One reader per lane: a native read call waits for its slowest window, so chunks
         # are read by `lanes` calls at once (each on its own pool) to keep the disk's queue full.
         self._reader_args = (threads, block_bytes, drop_cache)
+        self.drop_cache = drop_cache
         self._lanes: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self.buffered = False
-        self.read_ahead = self._ahead_policy(read_ahead) and not drop_cache
+        self.front_to_back = self._front_to_back_policy(front_to_back)
         self._lane_count = lanes
         self._set_lanes(self._policy(True))
         self._reader: Any = None  # for prefetch; made on first use (its threads cost a start-up)
@@ -217,7 +218,7 @@ class ColdEngine:
                     block_bytes=block_bytes,
                     direct="off" if buffered else "auto",
                     drop_behind=drop_cache,
-                    read_ahead=self.read_ahead,
+                    front_to_back=self.front_to_back and buffered,
                 )
             )
 
@@ -247,31 +248,23 @@ class ColdEngine:
         self._ahead.drain()  # no read in flight uses the old readers
         self._set_lanes(buffered)
 
-    @staticmethod
-    def _ahead_policy(on: bool) -> bool:
-        """``on`` unless ``STREAMLOAD_READ_AHEAD=0`` (every buffered read asks for its windows)."""
-        return on and os.environ.get("STREAMLOAD_READ_AHEAD") != "0"
+    def _front_to_back_policy(self, on: bool) -> bool:
+        """``on``, unless ``drop_cache`` (no page may stay) or ``STREAMLOAD_FRONT_TO_BACK=0``."""
+        return on and not self.drop_cache and os.environ.get("STREAMLOAD_FRONT_TO_BACK") != "0"
 
     def read_front_to_back(self, on: bool) -> None:
-        """For a rank that reads every byte the load needs from the files (the one reader
-        of ``src``): buffered chunks whose spans are dense (whole tensors, row slices of
-        consecutive tensors) are read in 1 MiB preads that the kernel reads ahead of, with
-        no ``WILLNEED``; sparse ones (a rank's slices of each tensor, one projection of an
-        expert's three) still ask for their windows only. The kernel then reads past a chunk
-        into bytes this rank reads next, never into another rank's (so not for ``owners``
-        or ``node`` readers, nor with ``drop_cache``). ``STREAMLOAD_READ_AHEAD=0`` turns it
-        off.
-
-        Why: ``WILLNEED`` windows on a descriptor advised ``RANDOM`` fill the page cache with
-        4 KiB pages; the kernel's readahead uses large folios. Measured on a 1.4 GB dense
-        checkpoint, cold, ``src`` (README, "Cold start"): less CPU on the reader and a
-        faster load at 1, 2 and 4 ranks; on the MoE checkpoint (sparse reads) no change.
-        """
-        on = self._ahead_policy(on) and not self._reader_args[2]
-        if on == self.read_ahead:
+        """For the only reader of a load (it reads every byte the load needs): buffered chunks
+        that cover their span (whole tensors, row slices of consecutive tensors) are read in
+        1 MiB preads that the kernel's readahead runs ahead of, instead of ``WILLNEED``
+        windows on a descriptor advised ``RANDOM``; sparse chunks (one projection of an
+        expert's three) still ask for their windows only. What the kernel reads past a chunk
+        is what this rank reads next. Readahead fills the page cache with large folios,
+        ``WILLNEED`` with 4 KiB pages (README, "Cold start", for the figures)."""
+        on = self._front_to_back_policy(on)
+        if on == self.front_to_back:
             return
         self._ahead.drain()  # no read in flight uses the old readers
-        self.read_ahead = on
+        self.front_to_back = on
         self._set_lanes(self.buffered)
 
     @property
@@ -441,7 +434,7 @@ class ColdEngine:
                 self.stats.seconds += float(s["seconds"])
                 self.stats.reads += int(s["windows"])
                 self.stats.direct_reads += int(s["direct_windows"])
-                self.stats.ahead_reads += int(s["ahead_windows"])
+                self.stats.front_to_back_reads += int(s["front_to_back_windows"])
                 self.stats.direct_refused |= bool(s["direct_refused"])
                 self.stats.in_place_bytes += int((b[o] - a[o]).sum())
         rest = rows[~own].copy()

@@ -20,6 +20,7 @@ from ..dist.strategies import ReaderStrategy, make_strategy
 from ..dist.stream import Shards
 from ..errors import KeyMismatchError, PlacementError
 from ..io.checkpoint import Checkpoint
+from ..io.cold import ColdEngine
 from ..io.copy_ops import worker_threads
 from ..io.sources import Source, as_source
 from ..model.fsdp_ties import agree_ties, tie_layout
@@ -348,12 +349,11 @@ def _plan_and_map(
     locals_ = [local_tensor(t) for t in local.tensors]
     mapped = MappedShards()
     ckpt = local.source
-    front_to_back = getattr(getattr(ckpt, "engine", None), "read_front_to_back", None)
-    if front_to_back is not None:
-        # The one reader reads every byte the load needs: the kernel may read ahead of it.
-        front_to_back(choice.reader_ranks(src_group_rank, world) == {group_rank})
+    readers = choice.reader_ranks(src_group_rank, world)
+    if isinstance(ckpt, Checkpoint) and isinstance(ckpt.engine, ColdEngine):
+        ckpt.engine.read_front_to_back(reads_every_byte(readers, group_rank, group))
     if options.map_files and device.type == "cpu" and isinstance(ckpt, Checkpoint) and local.mine:
-        if group_rank in choice.reader_ranks(src_group_rank, world):
+        if group_rank in readers:
             mapped = map_shards(
                 plan.targets,
                 [p.box for p in local.mine],
@@ -372,6 +372,14 @@ def _plan_and_map(
         model, options, clock, state, group, device, rank, group_rank, src_group_rank, choice, meta, ckpt,
         local.match, local.table, placements, plan, bucket_bytes, shards, mapped, local.unrestored, served,
     )  # fmt: skip
+
+
+def reads_every_byte(readers: set[int], group_rank: int, group: dist.ProcessGroup | None) -> bool:
+    """This rank is the only reader of a load over every process: it reads every byte the load
+    needs, so the kernel's readahead past its reads reads what it reads next, never another
+    reader's bytes (a load over a subgroup, e.g. one pipeline stage, reads part of the files)."""
+    whole = group is None or dist.get_world_size(group) == dist.get_world_size()
+    return whole and readers == {group_rank}
 
 
 def _src_plan(
