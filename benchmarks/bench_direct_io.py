@@ -1,16 +1,17 @@
 """Cold loads read four ways, interleaved: buffered reads whose plain copies land in
-their destinations (the default), the same with every window asked for with WILLNEED
-(no kernel readahead for the one reader), buffered reads through the read buffers, and
+their destinations (the default), the same with the one reader of ``src`` reading front to
+back through the kernel's readahead (opt-in), buffered reads through the read buffers, and
 O_DIRECT.
 
 Each variant's ranks are started with the variables of ``VARIANTS``:
 
 - ``in_place``: buffered (``STREAMLOAD_DIRECT_IO=0``, what a load without ``drop_cache``
   does by default); plain copies (same dtype, contiguous at both ends) are read straight
-  into the shard or staging slot they fill. The one reader of ``src`` reads dense chunks
-  front to back through the kernel's readahead (``ColdEngine.read_front_to_back``).
-- ``willneed``: as ``in_place``, but every reader asks for its windows with WILLNEED on a
-  descriptor advised RANDOM (``STREAMLOAD_FRONT_TO_BACK=0``; the default until stop 8).
+  into the shard or staging slot they fill; every reader asks for its windows with
+  WILLNEED on a descriptor advised RANDOM.
+- ``front_to_back``: as ``in_place``, but the one reader of ``src`` reads dense chunks
+  front to back through the kernel's readahead (``STREAMLOAD_FRONT_TO_BACK=1``,
+  ``ColdEngine.read_front_to_back``).
 - ``read_buffers``: buffered, every read into the engine's read buffers and copied out of
   them (``STREAMLOAD_IN_PLACE=0``).
 - ``o_direct``: ``STREAMLOAD_DIRECT_IO=1``.
@@ -18,7 +19,9 @@ Each variant's ranks are started with the variables of ``VARIANTS``:
 By default one warm rank group per variant (``BenchGroup``: processes started once, the
 model's modules imported before the clock starts) serves every load; ``--fresh`` starts a
 new group for every load instead, as ``streamload bench`` does (first-call costs included).
-The variants take turns within each repeat, so a slow patch of the shared disk hits each.
+The variants take turns within each repeat (in reverse order every other repeat, since a load
+can leave the host's cache in a state the next one inherits), so a slow patch of the shared disk
+hits each.
 Before every load the checkpoint is evicted and checked with mincore (``make_cold``).
 Prints each load, then per variant the median load + first-touch seconds with min-max, the
 median CPU seconds of rank 0 (the reader in ``src``) and of all ranks together, and each
@@ -27,7 +30,7 @@ that O_DIRECT does not, and a read through the buffers one more copy: the CPU co
 what the wall time buys.
 
     python benchmarks/bench_direct_io.py CKPT --ranks 2 4 --repeat 6 [--fresh] \
-        [--strategy streamload] [--variants in_place willneed read_buffers o_direct]
+        [--strategy streamload] [--variants in_place front_to_back read_buffers o_direct]
 
 ``--strategy`` is a ``streamload bench`` strategy: ``streamload`` (src: rank 0 reads and
 scatters) or ``streamload_owners`` (every rank reads its own shards).
@@ -44,14 +47,13 @@ from dataclasses import dataclass, field
 from streamload.tools.bench.runner import BenchGroup
 
 VARIANTS: dict[str, dict[str, str]] = {
-    "in_place": {"STREAMLOAD_DIRECT_IO": "0", "STREAMLOAD_IN_PLACE": "1", "STREAMLOAD_FRONT_TO_BACK": "1"},
-    "willneed": {"STREAMLOAD_DIRECT_IO": "0", "STREAMLOAD_IN_PLACE": "1", "STREAMLOAD_FRONT_TO_BACK": "0"},
-    "read_buffers": {
-        "STREAMLOAD_DIRECT_IO": "0",
-        "STREAMLOAD_IN_PLACE": "0",
-        "STREAMLOAD_FRONT_TO_BACK": "1",
-    },
-    "o_direct": {"STREAMLOAD_DIRECT_IO": "1", "STREAMLOAD_IN_PLACE": "1", "STREAMLOAD_FRONT_TO_BACK": "1"},
+    name: {"STREAMLOAD_DIRECT_IO": direct, "STREAMLOAD_IN_PLACE": in_place, "STREAMLOAD_FRONT_TO_BACK": ftb}
+    for name, direct, in_place, ftb in (
+        ("in_place", "0", "1", "0"),
+        ("front_to_back", "0", "1", "1"),
+        ("read_buffers", "0", "0", "0"),
+        ("o_direct", "1", "1", "0"),
+    )
 }
 
 
@@ -86,7 +88,8 @@ def run(
     out: dict[str, Loads] = {name: Loads() for name in variants}
     try:
         for i in range(repeat):
-            for name in variants:
+            # Every other repeat in reverse: each variant follows each other one as often.
+            for name in variants if i % 2 == 0 else list(reversed(variants)):
                 group = _group(world, name) if fresh else groups[name]
                 try:
                     r = group.run(strategy, ckpt, verify=i == 0, cold=True)

@@ -71,17 +71,23 @@ def case_cold_load(
     direct_io: str | None = None,
     dtype: torch.dtype | None = None,
     nodes: int = 0,
+    front_to_back: str | None = None,
 ) -> dict | None:
     """Evicts the files, loads with ``read_mode``, measures what stayed in the
     page cache, then compares every parameter with transformers. ``direct_io``:
     STREAMLOAD_DIRECT_IO for the load ("1": O_DIRECT, "0": buffered, None: the
-    default); ``nodes``: simulated nodes (STREAMLOAD_NODE), for ``readers="node"``."""
+    default); ``nodes``: simulated nodes (STREAMLOAD_NODE), for ``readers="node"``;
+    ``front_to_back``: STREAMLOAD_FRONT_TO_BACK for the load."""
     ready = evicted_mesh(rank, ckpt, ws)
     if ready is None:
         return None
     mesh, paths = ready
     group = mesh.get_group()
-    env = {"STREAMLOAD_DIRECT_IO": direct_io, "STREAMLOAD_NODE": str(rank * nodes // ws) if nodes else None}
+    env = {
+        "STREAMLOAD_DIRECT_IO": direct_io,
+        "STREAMLOAD_NODE": str(rank * nodes // ws) if nodes else None,
+        "STREAMLOAD_FRONT_TO_BACK": front_to_back,
+    }
     with recorded_engines(env) as engines:
         sees = readers != "src" or rank == 0
         model = streamload.from_pretrained(

@@ -149,6 +149,7 @@ def test_cold_load_matches_transformers(
                 dtype=dtype,
                 direct_io=direct_io,
                 nodes=2 if readers == "node" else 0,
+                front_to_back="1" if dtype is None else None,  # opt-in, else the default (off)
             )
             assert res[0]["read_mode"] == "cold"
             readers_ = [r for r in res if r and r["cold_reads"]]
@@ -156,11 +157,11 @@ def test_cold_load_matches_transformers(
             assert len(readers_) == expect, res
             for r in readers_:
                 refused |= r["direct_refused"]
-                # The one reader of src over every process reads every byte: the kernel may
-                # read ahead of its buffered reads. Owners and node readers read slices of the
-                # files, and so does a reader of a load over part of the world (ws < WORLD):
-                # only the windows they ask for.
-                whole = readers == "src" and ws == WORLD
+                # Opted in, the one reader of src over every process reads every byte: the
+                # kernel may read ahead of its buffered reads. Owners and node readers read
+                # slices of the files, and so does a reader of a load over part of the world
+                # (ws < WORLD): only the windows they ask for.
+                whole = readers == "src" and ws == WORLD and dtype is None
                 assert r["front_to_back"] is whole, r
                 if direct_io == "1":
                     assert not r["buffered"] and (r["direct_reads"] > 0 or r["direct_refused"]), r
@@ -501,10 +502,9 @@ def test_reads_every_byte_only_the_one_reader_of_the_whole_world(
 def test_read_front_to_back_only_where_the_kernel_may_read_ahead(
     ckpts: dict[str, str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Off by default; on when asked, buffered; never with drop_cache (no page may stay) or
-    STREAMLOAD_FRONT_TO_BACK=0; asking again after reads swaps the lane readers."""
+    """Off by default; on when asked, buffered; never with drop_cache (no page may stay);
+    asking again after reads swaps the lane readers."""
     monkeypatch.delenv("STREAMLOAD_DIRECT_IO", raising=False)
-    monkeypatch.delenv("STREAMLOAD_FRONT_TO_BACK", raising=False)
     c = Checkpoint(ckpts["one_file"], mode="cold")
     assert not c.engine.front_to_back
     c.engine.read_front_to_back(True)
@@ -520,13 +520,6 @@ def test_read_front_to_back_only_where_the_kernel_may_read_ahead(
     c = Checkpoint(ckpts["one_file"], mode="cold", drop_cache=True)
     c.engine.read_front_to_back(True)
     assert not c.engine.front_to_back
-    c.engine.close()
-    monkeypatch.setenv("STREAMLOAD_FRONT_TO_BACK", "0")
-    c = Checkpoint(ckpts["one_file"], mode="cold")
-    c.engine.read_front_to_back(True)
-    assert not c.engine.front_to_back
-    _check_all(c, ckpts["one_file"])
-    assert c.engine.stats.front_to_back_reads == 0
     c.engine.close()
 
 

@@ -351,7 +351,9 @@ def _plan_and_map(
     ckpt = local.source
     readers = choice.reader_ranks(src_group_rank, world)
     if isinstance(ckpt, Checkpoint) and isinstance(ckpt.engine, ColdEngine):
-        ckpt.engine.read_front_to_back(reads_every_byte(readers, group_rank, group))
+        # Opt-in: it saves the reader CPU, not time (README, "Cold start").
+        opted = os.environ.get("STREAMLOAD_FRONT_TO_BACK") == "1"
+        ckpt.engine.read_front_to_back(opted and reads_every_byte(readers, group_rank, group))
     if options.map_files and device.type == "cpu" and isinstance(ckpt, Checkpoint) and local.mine:
         if group_rank in readers:
             mapped = map_shards(
