@@ -155,7 +155,6 @@ class ColdEngine:
             their destinations, with no read buffer and no copy out of it; the copies that
             cast, slice columns or share source bytes go through the buffers.
             ``STREAMLOAD_IN_PLACE=0`` turns it off (every read goes through the buffers).
-        front_to_back: see ``read_front_to_back``.
     """
 
     def __init__(
@@ -169,7 +168,6 @@ class ColdEngine:
         buffers: int = 4,
         lanes: int = 2,
         in_place: bool = True,
-        front_to_back: bool = False,
     ) -> None:
         self.engine = engine
         self.paths = [f.path for f in files]
@@ -183,7 +181,7 @@ class ColdEngine:
         self.drop_cache = drop_cache
         self._lanes: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self.buffered = False
-        self.front_to_back = self._front_to_back_policy(front_to_back)
+        self.front_to_back = False  # see read_front_to_back
         self._lane_count = lanes
         self._set_lanes(self._policy(True))
         self._reader: Any = None  # for prefetch; made on first use (its threads cost a start-up)
@@ -248,10 +246,6 @@ class ColdEngine:
         self._ahead.drain()  # no read in flight uses the old readers
         self._set_lanes(buffered)
 
-    def _front_to_back_policy(self, on: bool) -> bool:
-        """``on``, unless ``drop_cache`` (no page may stay)."""
-        return on and not self.drop_cache
-
     def read_front_to_back(self, on: bool) -> None:
         """For the only reader of a load (it reads every byte the load needs): buffered chunks
         that cover their span (whole tensors, row slices of consecutive tensors) are read in
@@ -262,7 +256,7 @@ class ColdEngine:
         ``WILLNEED`` with 4 KiB pages: less CPU for the reader, but no faster a load on the
         disk measured (README, "Cold start"), so a load asks for it only with
         ``STREAMLOAD_FRONT_TO_BACK=1``."""
-        on = self._front_to_back_policy(on)
+        on = on and not self.drop_cache  # drop_cache: no page may stay
         if on == self.front_to_back:
             return
         self._ahead.drain()  # no read in flight uses the old readers
