@@ -28,8 +28,8 @@ import torch.multiprocessing as mp
 
 def _variant(name: str) -> None:
     """Makes this process load as ``name`` ("before" or "after") does."""
-    from streamload.dist.pack import Packer
     from streamload.io import cold
+    from streamload.transport.pack import Packer
 
     if name == "before":
         made = cold.ColdEngine

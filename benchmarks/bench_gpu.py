@@ -164,7 +164,7 @@ def main() -> None:
     out["gbps"] = gbps
 
     # 3. Reloads: nothing may grow.
-    from streamload.dist import staging
+    from streamload.transport import staging
 
     rows = []
     model = None

@@ -115,9 +115,9 @@ def case_failure_drains_reads_ahead(
     and shards. Returns, per rank, the error raised and whether its engine still had reads
     queued or running when the load returned (none may outlive the load: the memory they
     write into is freed with it)."""
-    import streamload.dist.stream as stream
     import streamload.load.prepare as prepare
-    from streamload.dist.pack import Packer
+    import streamload.transport.stream as stream
+    from streamload.transport.pack import Packer
 
     ready = evicted_mesh(rank, ckpt, ws)
     if ready is None:
@@ -178,8 +178,8 @@ def case_reads_never_land_in_a_slot_in_flight(
     that lands in a destination is checked, when it is issued, against the staging slots
     whose transport is still in flight (started, not yet waited for). Returns the reads that
     landed and the ones that hit a slot in flight (must be none)."""
-    from streamload.dist.transport import Transport
     from streamload.io import cold
+    from streamload.transport.collectives import Transport
 
     ready = evicted_mesh(rank, ckpt, ws)
     if ready is None:

@@ -12,8 +12,8 @@ import torch.distributed as dist
 from cases_load import MISSING_PATH, _process_group_count, compare_model, mesh_for, reference, tied
 
 import streamload
-from streamload.dist import protocol, staging
-from streamload.dist.pack import Packer
+from streamload.transport import protocol, staging
+from streamload.transport.pack import Packer
 
 
 class FakeEvent:

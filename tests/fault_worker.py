@@ -15,10 +15,10 @@ import torch
 import torch.distributed as dist
 
 import streamload
-import streamload.dist.strategies as sl_strategies
-import streamload.dist.stream as sl_load
 import streamload.load.prepare as sl_prepare
-from streamload.dist.pack import Packer
+import streamload.transport.strategies as sl_strategies
+import streamload.transport.stream as sl_load
+from streamload.transport.pack import Packer
 
 # Pre-stream steps that run after the placement all-gather, and the rank that fails in each.
 PRE_STREAM = {"plan_raise": 1, "map_raise": 2, "node_groups_raise": 1}

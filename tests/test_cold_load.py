@@ -489,8 +489,8 @@ def test_reads_every_byte_only_the_one_reader_of_the_whole_world(
 ) -> None:
     """Whom the kernel may read ahead of (read_front_to_back): the only reader of a load
     over every process, in any reader mode."""
-    from streamload.dist.readers import ReaderChoice, ReaderMode
     from streamload.load import prepare
+    from streamload.transport.readers import ReaderChoice, ReaderMode
 
     choice = ReaderChoice(ReaderMode(mode), "test", node_readers=nodes)
     group = object()  # the load's group: the whole world or not

@@ -14,8 +14,8 @@ import torch
 from rank_group import RankGroup
 from safetensors.torch import load_file, save_file
 
-from streamload.dist.readers import SAMPLE_BYTES, SAMPLES, fingerprint
 from streamload.tools.synthetic import make_checkpoint
+from streamload.transport.readers import SAMPLE_BYTES, SAMPLES, fingerprint
 
 WORLD = 3
 

@@ -94,7 +94,7 @@ def _pinned_cache() -> int:
 @pytest.mark.parametrize("readers", ["src", "owners"])
 def test_nccl_world_size_one_matches_transformers_and_releases(mesh, ckpts, readers: str) -> None:
     import streamload
-    from streamload.dist import staging
+    from streamload.transport import staging
 
     # An earlier test may have left cached blocks: measure what this load adds.
     gc.collect()

@@ -14,10 +14,10 @@ from cases_gpu import FakeBackend
 from rank_group import RankGroup
 from torch import nn
 
-from streamload.dist import protocol
-from streamload.dist.staging import PAGE, CudaBackend, Stager, open_stager, registered_bytes
 from streamload.load.source import resolve_device
 from streamload.tools.synthetic import make_checkpoint
+from streamload.transport import protocol
+from streamload.transport.staging import PAGE, CudaBackend, Stager, open_stager, registered_bytes
 
 WORLD = 3
 

@@ -7,7 +7,7 @@ import ctypes
 import pytest
 import torch
 
-from streamload.dist.prefault import PAGE, page_ranges, prefault
+from streamload.transport.prefault import PAGE, page_ranges, prefault
 
 
 def _resident(t: torch.Tensor) -> float:

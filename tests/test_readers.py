@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from streamload.dist.readers import _first_difference, file_identity, fingerprint
+from streamload.transport.readers import _first_difference, file_identity, fingerprint
 
 
 def _write(d: Path, seed: int) -> Path:

@@ -16,12 +16,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..dist.protocol import gather_or_raise
 from ..errors import TieError
 from ..io.checkpoint import Checkpoint
 from ..load.source import resolve_device, resolve_group
 from ..model.state import record_state
 from ..report import LoadReport
+from ..transport.protocol import gather_or_raise
 from .frameworks import fsdp2_load_full_state_dict as _verl_load
 
 

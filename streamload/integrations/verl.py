@@ -11,9 +11,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..dist.protocol import gather_or_raise
 from ..errors import DTypeMismatchError, KeyMismatchError, ShapeMismatchError
 from ..load.source import resolve_group
+from ..transport.protocol import gather_or_raise
 
 
 def can_pin_memory() -> bool:

@@ -5,14 +5,12 @@ a whole logical tensor: transformers' ops in a conversion fallback."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from .copy_ops import OpBatch, contiguous_strides
-
-if TYPE_CHECKING:
-    from ..plan.quant import QuantTensor
+from .quantized import QuantTensor
 
 
 def read_dequantized(source: Any, q: QuantTensor) -> torch.Tensor:

@@ -11,11 +11,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..dist.readers import ReaderMode
-from ..dist.strategies import StreamResult
 from ..io.checkpoint import Checkpoint
 from ..report import LoadReport
 from ..timeline import current, recording
+from ..transport.readers import ReaderMode
+from ..transport.strategies import StreamResult
 from .finalize import finalize
 from .prepare import LoadOptions, prepare
 from .source import OpenedSource

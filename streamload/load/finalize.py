@@ -8,11 +8,11 @@ import time
 import torch
 import torch.distributed as dist
 
-from ..dist.readers import ReaderMode
-from ..dist.strategies import StreamResult
 from ..io.cold import evict
 from ..model.state import rebind_ties
 from ..report import LoadReport
+from ..transport.readers import ReaderMode
+from ..transport.strategies import StreamResult
 from .prepare import Prepared
 
 log = logging.getLogger("streamload")

@@ -14,10 +14,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..dist.protocol import gather_or_raise
-from ..dist.readers import ReaderChoice, ReaderMode, choose
-from ..dist.strategies import ReaderStrategy, make_strategy
-from ..dist.stream import Shards
 from ..errors import KeyMismatchError, PlacementError
 from ..io.checkpoint import Checkpoint
 from ..io.cold import ColdEngine
@@ -55,6 +51,10 @@ from ..plan.global_buckets import build_served_plan
 from ..plan.keys import KeyMatch, match_keys
 from ..plan.mapping import plan_mapping
 from ..plan.quant import QuantTensor, check_kept, quantized_view, scheme_from_config
+from ..transport.protocol import gather_or_raise
+from ..transport.readers import ReaderChoice, ReaderMode, choose
+from ..transport.strategies import ReaderStrategy, make_strategy
+from ..transport.stream import Shards
 from .source import OpenedSource, SourceMeta, check_same_table, open_source, resolve_device, resolve_group
 
 log = logging.getLogger("streamload")

@@ -10,12 +10,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..dist.protocol import portable
-from ..dist.transport import broadcast_object
 from ..errors import CheckpointError, StreamloadError
 from ..io.sources import Source, as_source
 from ..model.state import ModelState, local_tensor
 from ..plan.convert import FALLBACK_PREFIX, Table
+from ..transport.collectives import broadcast_object
+from ..transport.protocol import portable
 
 # Tied duplicates are compared this many bytes at a time: never a full copy.
 _COMPARE_CHUNK = 64 << 20

@@ -21,8 +21,8 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
-from ..dist.transport import all_gather_object
 from ..errors import TieError
+from ..transport.collectives import all_gather_object
 from .fsdp_rebind import rebound_params
 from .state import TieGroup, get_tensor
 

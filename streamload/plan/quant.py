@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..errors import CheckpointError
+from ..io.quantized import QuantTensor
 from .regions import SourceRegion
 
 # The logical dtype of a dequantized tensor: the product is formed in float32,
@@ -49,31 +50,6 @@ class QuantScheme:
 
     method: str
     block: tuple[int, int] | None = None
-
-
-@dataclass(frozen=True)
-class QuantTensor:
-    """A logical tensor the checkpoint stores quantized.
-
-    Attributes:
-        key: the logical key (what model keys and conversions match).
-        kind: native op kind, ``"fp8_block"`` or ``"mxfp4"``.
-        weight: checkpoint key of the quantized values.
-        scale: checkpoint key of the scales.
-        shape: logical shape.
-        axes: the logical dim that walks the op's batch, rows and cols (None: size 1).
-        dims: the op's (batch, rows, cols).
-        block: values per scale, (rows, cols).
-    """
-
-    key: str
-    kind: str
-    weight: str
-    scale: str
-    shape: tuple[int, ...]
-    axes: tuple[int | None, int | None, int | None]
-    dims: tuple[int, int, int]
-    block: tuple[int, int]
 
 
 def scheme_from_config(config: Any) -> QuantScheme | None:

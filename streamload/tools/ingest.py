@@ -23,7 +23,6 @@ from typing import Any
 
 import torch
 
-from ..dist.pack import add_box_ops
 from ..errors import CheckpointError, KeyMismatchError
 from ..integrations.pretrained import meta_model
 from ..io.checkpoint import INDEX_NAME, Checkpoint
@@ -33,6 +32,7 @@ from ..plan.buckets import ALIGN, Target, validate_shapes
 from ..plan.convert import FallbackSources, plan_conversions
 from ..plan.keys import match_keys
 from ..plan.quant import QuantTensor, quantized_view, scheme_from_config
+from ..transport.pack import add_box_ops
 
 
 @dataclass

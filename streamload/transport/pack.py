@@ -11,10 +11,10 @@ from typing import Any
 import torch
 
 from ..io.copy_ops import ITEMSIZE, ST_DTYPES, OpBatch, contiguous_strides
+from ..io.sources import Source
 from ..plan.buckets import Bucket, Plan, Segment
 from ..plan.quant import QuantTensor, dequant_region
 from ..plan.regions import Box, SourcePiece, SourceRegion, regions_for_box
-from ..io.sources import Source
 
 
 class StagingRing:

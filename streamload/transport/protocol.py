@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from ..errors import RemoteRankError, StreamloadError
-from .transport import all_gather_object
+from .collectives import all_gather_object
 
 log = logging.getLogger("streamload")
 

@@ -16,13 +16,12 @@ from ..io.sources import Source
 from ..plan.buckets import Plan
 from ..report import progress_enabled
 from ..timeline import current
+from .collectives import Transport
 from .pack import Packer, StagingRing
 from .prefault import prefault
 from .protocol import StatusRoute, gather_or_raise, open_status_route
 from .staging import Stager, open_stager, settle
-from .transport import Transport
 from .unpack import unpack
-
 
 _NO_SLOT = torch.empty(0, dtype=torch.uint8)  # packing straight into the shards: no staging slot
 

@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 
 from ..errors import CheckpointFileError
-from .transport import all_gather_object
+from .collectives import all_gather_object
 
 
 class ReaderMode(str, Enum):
