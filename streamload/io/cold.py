@@ -10,11 +10,9 @@ Packing, fusion and casts are the engine's, unchanged. A buffered read of a
 plain copy (same dtype, contiguous at both ends: a whole tensor, a row slice,
 one expert of a fused stack) skips the buffer and lands in its destination.
 The reads are buffered (each chunk's windows asked of the kernel up front with
-``POSIX_FADV_WILLNEED``, no readahead beyond them; the only reader of a load
-lets the kernel read ahead instead, see ``ColdEngine.read_front_to_back``) or
-``O_DIRECT`` (several in flight; with ``drop_cache``, or forced with
-``STREAMLOAD_DIRECT_IO=1``; buffered where the file system refuses it): see
-``ColdEngine.read_buffered``.
+``POSIX_FADV_WILLNEED``, no readahead beyond them) or ``O_DIRECT`` (several in
+flight; with ``drop_cache``, or forced with the ``direct_io`` keyword; buffered
+where the file system refuses it): see ``ColdEngine.read_buffered``.
 
 Also here: page-cache residency (``mincore``), eviction (``POSIX_FADV_DONTNEED``)
 and the disk's sequential read bandwidth, which ``read_mode="auto"`` and
@@ -34,6 +32,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from ..options import env_flag
 from ..timeline import Timeline, current
 from . import _native
 from .copy_ops import ITEMSIZE
@@ -120,7 +119,6 @@ class ColdStats:
     seconds: float = 0.0
     reads: int = 0
     direct_reads: int = 0
-    front_to_back_reads: int = 0  # buffered reads the kernel read ahead of (read_front_to_back)
     direct_refused: bool = False
     in_place_bytes: int = 0  # source bytes read straight into their destinations (buffered)
 
@@ -153,8 +151,11 @@ class ColdEngine:
         in_place: buffered reads of plain copies (same dtype, contiguous source and
             destination, source bytes no other op of the chunk reads) land straight in
             their destinations, with no read buffer and no copy out of it; the copies that
-            cast, slice columns or share source bytes go through the buffers.
-            ``STREAMLOAD_IN_PLACE=0`` turns it off (every read goes through the buffers).
+            cast, slice columns or share source bytes go through the buffers. False: every
+            read goes through the buffers (tests compare the two paths).
+        direct_io: the load's keyword: None (not given: ``STREAMLOAD_DIRECT_IO=0/1`` if set,
+            else buffered, O_DIRECT with ``drop_cache``), True (O_DIRECT where the file system
+            allows it) or False (buffered, even with ``drop_cache``: dropped behind the reader).
     """
 
     def __init__(
@@ -168,6 +169,7 @@ class ColdEngine:
         buffers: int = 4,
         lanes: int = 2,
         in_place: bool = True,
+        direct_io: bool | None = None,
     ) -> None:
         self.engine = engine
         self.paths = [f.path for f in files]
@@ -179,9 +181,9 @@ class ColdEngine:
         # are read by `lanes` calls at once (each on its own pool) to keep the disk's queue full.
         self._reader_args = (threads, block_bytes, drop_cache)
         self.drop_cache = drop_cache
+        self.direct_io = env_flag("direct_io", direct_io)  # the one place its variable is read
         self._lanes: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self.buffered = False
-        self.front_to_back = False  # see read_front_to_back
         self._lane_count = lanes
         self._set_lanes(self._policy(True))
         self._reader: Any = None  # for prefetch; made on first use (its threads cost a start-up)
@@ -191,9 +193,10 @@ class ColdEngine:
         self.stats = ColdStats()
         self._timeline: Timeline = current()  # the load's, set per execute (reads run on a helper thread)
         self._buffers: list[torch.Tensor | None] = [None] * buffers
-        self._ahead = ReadAhead(self._read_chunk, buffers, lanes)
+        self._ahead = ReadAhead(self._read_chunk, buffers, lanes, on_fork=self._reset_in_child)
+        self._forked = False  # set in a fork child: the lane readers are made anew before the next read
         # Buffered reads land straight in the destinations of plain copies (see _in_place).
-        self.lands_in_place = in_place and os.environ.get("STREAMLOAD_IN_PLACE") != "0"
+        self.lands_in_place = in_place
         self._itemsize = np.zeros(max(_native.DTYPE_CODES.values()) + 1, dtype=np.int64)
         for name, code in _native.DTYPE_CODES.items():
             # Sub-byte dtypes (F4, F6_*) have no whole item size: their ops stay on the files (0 here).
@@ -216,18 +219,31 @@ class ColdEngine:
                     block_bytes=block_bytes,
                     direct="off" if buffered else "auto",
                     drop_behind=drop_cache,
-                    front_to_back=self.front_to_back and buffered,
                 )
             )
 
+    def _reset_in_child(self) -> None:
+        """In a child of ``os.fork()`` (``ReadAhead.reset_in_child`` calls it): a lane reader
+        a parent's helper thread held is lost with that thread, and a lock it held stays
+        locked, so the lanes, the prefetch reader and the stats lock are made anew (the
+        lanes before the child's next read, on its own thread: see ``_lanes_after_fork``)."""
+        self._lanes = queue.SimpleQueue()
+        self._reader = None
+        self._stats_lock = threading.Lock()
+        self._forked = True
+
+    def _lanes_after_fork(self) -> None:
+        if self._forked:
+            self._forked = False
+            self._set_lanes(self.buffered)
+
     def _policy(self, buffered: bool) -> bool:
-        """``buffered`` after the overrides: ``STREAMLOAD_DIRECT_IO=0`` forces buffered and
-        ``=1`` O_DIRECT (where the file system allows it); with ``drop_cache`` reads stay
-        O_DIRECT, which leaves no pages behind (a buffered reader that drops behind it must
-        not let the kernel read ahead)."""
-        forced = os.environ.get("STREAMLOAD_DIRECT_IO")
-        if forced in ("0", "1"):
-            return forced == "0"
+        """``buffered`` after ``direct_io``: False forces buffered and True O_DIRECT (where
+        the file system allows it); not given, reads with ``drop_cache`` stay O_DIRECT, which
+        leaves no pages behind (a buffered reader that drops behind it must not let the
+        kernel read ahead)."""
+        if self.direct_io is not None:
+            return not self.direct_io
         return buffered and not self._reader_args[2]
 
     def read_buffered(self, buffered: bool) -> None:
@@ -237,31 +253,14 @@ class ColdEngine:
 
         A new engine reads buffered: on the disks measured (``streamload bench --cold``,
         README) the kernel's page cache served a cold checkpoint faster than O_DIRECT reads
-        in every reader mode; ``STREAMLOAD_DIRECT_IO=1`` is for disks where O_DIRECT wins
-        (the bench prints both rates) or CPU is short.
+        in every reader mode; ``direct_io=True`` is for disks where O_DIRECT wins (the bench
+        prints both rates) or CPU is short.
         """
         buffered = self._policy(buffered)
         if buffered == self.buffered:
             return
         self._ahead.drain()  # no read in flight uses the old readers
         self._set_lanes(buffered)
-
-    def read_front_to_back(self, on: bool) -> None:
-        """For the only reader of a load (it reads every byte the load needs): buffered chunks
-        that cover their span (whole tensors, row slices of consecutive tensors) are read in
-        1 MiB preads that the kernel's readahead runs ahead of, instead of ``WILLNEED``
-        windows on a descriptor advised ``RANDOM``; sparse chunks (one projection of an
-        expert's three) still ask for their windows only. What the kernel reads past a chunk
-        is what this rank reads next. Readahead fills the page cache with large folios,
-        ``WILLNEED`` with 4 KiB pages: less CPU for the reader, but no faster a load on the
-        disk measured (README, "Cold start"), so a load asks for it only with
-        ``STREAMLOAD_FRONT_TO_BACK=1``."""
-        on = on and not self.drop_cache  # drop_cache: no page may stay
-        if on == self.front_to_back:
-            return
-        self._ahead.drain()  # no read in flight uses the old readers
-        self.front_to_back = on
-        self._set_lanes(self.buffered)
 
     @property
     def lands_ahead(self) -> bool:
@@ -430,7 +429,6 @@ class ColdEngine:
                 self.stats.seconds += float(s["seconds"])
                 self.stats.reads += int(s["windows"])
                 self.stats.direct_reads += int(s["direct_windows"])
-                self.stats.front_to_back_reads += int(s["front_to_back_windows"])
                 self.stats.direct_refused |= bool(s["direct_refused"])
                 self.stats.in_place_bytes += int((b[o] - a[o]).sum())
         rest = rows[~own].copy()
@@ -526,6 +524,7 @@ class ColdEngine:
             >>> engine.expect(next_ops.ctypes.data, next_ops.nbytes)  # bucket k+1
             >>> engine.execute(files, ops.ctypes.data, ops.nbytes)  # bucket k
         """
+        self._lanes_after_fork()
         split = self._split(ops, ops_nbytes)
         if split is None or not split[1].any():
             return
@@ -536,6 +535,7 @@ class ColdEngine:
     def execute(self, files: Sequence[Any], ops: int, ops_nbytes: int) -> int:
         """Reads the spans the ops need, chunk by chunk, and runs the ops from
         memory; returns the source bytes read (as ``CopyEngine.execute``)."""
+        self._lanes_after_fork()
         split = self._split(ops, ops_nbytes)
         if split is None:
             return int(self.engine.execute(list(files), ops, ops_nbytes))

@@ -12,16 +12,22 @@ Memory is fixed: ``buffers`` read buffers, whatever the number of batches
 announced (an announced batch holds no read buffer until one frees). A chunk's
 read may also write the caller's memory (the cold engine lands plain copies in
 their destinations), so ``drain`` must run before that memory is given up.
+
+Fork: the helper threads do not exist in a child of ``os.fork()``, and a read in
+flight there never completes. Every live ``ReadAhead`` is reset in the child
+(``reset_in_child``: no pool, no batch, every buffer free) so the child's first
+read starts a pool of its own instead of waiting on the parent's.
 """
 
 from __future__ import annotations
 
+import os
 import weakref
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Generic, TypeVar
+from typing import Any, Generic, TypeVar
 
 import numpy as np
 
@@ -59,7 +65,13 @@ class ReadAhead(Generic[R]):
         >>> ra.announce(rows_k1, chunks_k1)  # bucket k+1, before bucket k is executed
     """
 
-    def __init__(self, read: Callable[[np.ndarray, int], R], buffers: int, lanes: int = 1) -> None:
+    def __init__(
+        self,
+        read: Callable[[np.ndarray, int], R],
+        buffers: int,
+        lanes: int = 1,
+        on_fork: Callable[[], None] | None = None,
+    ) -> None:
         if buffers < 2:
             raise ValueError("read-ahead needs at least two buffers")
         # A weak reference to a bound method: the engine owns this object, and a strong one
@@ -73,6 +85,27 @@ class ReadAhead(Generic[R]):
         self._batches: deque[Batch[R]] = deque()
         self._pool: ThreadPoolExecutor | None = None
         self.timeline: Timeline | None = None  # where issued reads are logged
+        # What the owner resets in a fork child (the cold engine: its native readers); weak, as ``read``.
+        self._on_fork: Callable[[], Callable[[], None] | None] | None = None
+        if on_fork is not None:
+            hook = on_fork
+            self._on_fork = weakref.WeakMethod(hook) if hasattr(hook, "__self__") else (lambda: hook)
+        _LIVE.add(self)
+
+    def reset_in_child(self) -> None:
+        """In a child of ``os.fork()``: forgets the parent's helper threads and reads.
+
+        The parent's pool has no thread here and its queued reads never run: waiting on
+        them is a hang. The pool is dropped (never shut down: that would join threads that
+        do not exist), announced batches are forgotten (their reads may have been half
+        done; a later ``start`` reads them again) and every buffer is free.
+        """
+        self._pool = None
+        self._batches = deque()
+        self._free = list(range(self.buffers - 1, -1, -1))
+        hook = self._on_fork() if self._on_fork is not None else None
+        if hook is not None:
+            hook()
 
     def announce(self, key: np.ndarray, chunks: list[np.ndarray], tag: int = -1) -> None:
         """Queues a batch whose reads start as soon as buffers free up (``tag``: its bucket)."""
@@ -149,3 +182,17 @@ class ReadAhead(Generic[R]):
         if self._pool is not None:
             self._pool.shutdown(wait=True)
             self._pool = None
+
+
+# Every live ReadAhead, for the fork child handler (weak: a registry must not keep engines alive).
+_LIVE: weakref.WeakSet[ReadAhead[Any]] = weakref.WeakSet()
+
+
+def _reset_all_in_child() -> None:
+    """``os.register_at_fork(after_in_child=...)``: every live ReadAhead forgets its parent's threads."""
+    for ahead in list(_LIVE):
+        ahead.reset_in_child()
+
+
+if hasattr(os, "register_at_fork"):  # POSIX; elsewhere there is no fork to survive
+    os.register_at_fork(after_in_child=_reset_all_in_child)
