@@ -22,7 +22,6 @@ py::dict stats_dict(const ReadStats& s) {
   d["bytes_read"] = s.bytes_read;
   d["windows"] = s.windows;
   d["direct_windows"] = s.direct_windows;
-  d["front_to_back_windows"] = s.front_to_back_windows;
   d["direct_refused"] = s.direct_refused;
   d["seconds"] = s.seconds;
   return d;
@@ -51,14 +50,15 @@ void bind_cold(py::module_& m) {
         "Drops the file's pages from the page cache (POSIX_FADV_DONTNEED), after writing back dirty ones.");
 
   py::class_<ColdReader, std::shared_ptr<ColdReader>>(m, "ColdReader")
+      // refuse_direct_for_test: every O_DIRECT read fails with EINVAL (the buffered fallback, in tests).
       .def(py::init([](size_t threads, uint64_t block_bytes, const std::string& direct, bool drop_behind,
-                       bool front_to_back) {
-             return std::make_shared<ColdReader>(threads, block_bytes, direct_arg(direct), drop_behind, front_to_back);
+                       bool refuse_direct_for_test) {
+             return std::make_shared<ColdReader>(threads, block_bytes, direct_arg(direct), drop_behind,
+                                                 refuse_direct_for_test);
            }),
            py::arg("threads") = 0, py::arg("block_bytes") = 8 << 20, py::arg("direct") = "auto",
-           py::arg("drop_behind") = false, py::arg("front_to_back") = false)
+           py::arg("drop_behind") = false, py::arg("refuse_direct_for_test") = false)
       .def_property_readonly("threads", &ColdReader::threads)
-      .def_property_readonly("front_to_back", &ColdReader::front_to_back)
       .def_property_readonly("block_bytes", &ColdReader::block_bytes)
       .def(
           "read",

@@ -36,15 +36,6 @@ constexpr size_t kOpenFiles = 4;
 // Bytes per POSIX_FADV_WILLNEED call (see ColdReader::read).
 constexpr uint64_t kAdviseSlice = 512 << 10;
 
-// Front to back (a reader of every byte): bytes per pread, which the kernel's readahead
-// runs ahead of. WILLNEED windows on a RANDOM descriptor fill the page cache with 4 KiB
-// pages, the kernel's readahead with large folios (README, "Cold start", for the figures).
-constexpr uint64_t kFrontToBackPiece = 1 << 20;
-
-// A call read front to back covers 15/16 of its span or more: whole tensors and row slices
-// of consecutive tensors, not a rank's slices of each tensor or one projection of three.
-bool dense(uint64_t requested, uint64_t span) { return requested * 16 >= span * 15; }
-
 uint64_t align_down(uint64_t x) { return x / kDirectAlign * kDirectAlign; }
 uint64_t align_up(uint64_t x) { return (x + kDirectAlign - 1) / kDirectAlign * kDirectAlign; }
 
@@ -57,7 +48,6 @@ std::string errno_text(const char* what) { return std::string(what) + ": " + std
 struct Fds {
   int buffered = -1;
   int direct = -1;
-  int ahead_fd = -1;  // buffered too, advised SEQUENTIAL, for front_to_back readers (the kernel reads ahead)
   uint64_t size = 0;
   bool refused = false;
   // drop_behind: pages are dropped as soon as they are read, so the kernel must not
@@ -91,7 +81,6 @@ struct Fds {
   ~Fds() {
     if (buffered >= 0) ::close(buffered);
     if (direct >= 0) ::close(direct);
-    if (ahead_fd >= 0) ::close(ahead_fd);
   }
   Fds(const Fds&) = delete;
   Fds& operator=(const Fds&) = delete;
@@ -119,24 +108,9 @@ int64_t read_span(int fd, char* dst, uint64_t offset, uint64_t len, uint64_t nee
   return static_cast<int64_t>(got);
 }
 
-// Buffered bytes [offset, offset + n) into dst: one pread, or preads of kFrontToBackPiece
-// front to back (`pieces`: the kernel's readahead runs ahead of them).
-void read_buffered(int fd, char* dst, uint64_t offset, uint64_t n, bool pieces, const std::string& path) {
-  uint64_t step = pieces ? kFrontToBackPiece : n;
-  for (uint64_t at = 0; at < n; at += step) {
-    uint64_t m = std::min(step, n - at);
-    read_span(fd, dst + at, offset + at, m, m, false, path);
-  }
-}
-
 struct Window {
   uint64_t begin, end;  // aligned file offsets; end <= align_up(file size)
 };
-
-bool env_flag(const char* name) {
-  const char* v = std::getenv(name);
-  return v != nullptr && v[0] != '\0' && std::strcmp(v, "0") != 0;
-}
 
 }  // namespace
 
@@ -144,8 +118,6 @@ DirectMode parse_direct_mode(const std::string& s) {
   if (s == "off") return DirectMode::Off;
   if (s == "on") return DirectMode::On;
   if (s != "auto") throw std::invalid_argument("direct must be 'auto', 'on' or 'off', not '" + s + "'");
-  const char* v = std::getenv("STREAMLOAD_DIRECT_IO");
-  if (v != nullptr && std::strcmp(v, "0") == 0) return DirectMode::Off;
   return DirectMode::Auto;
 }
 
@@ -180,13 +152,13 @@ void evict(const std::string& path, uint64_t offset, uint64_t length, bool sync)
 
 ColdReader::Buffer::~Buffer() { std::free(p); }
 
-ColdReader::ColdReader(size_t threads, uint64_t block_bytes, DirectMode direct, bool drop_behind, bool front_to_back)
+ColdReader::ColdReader(size_t threads, uint64_t block_bytes, DirectMode direct, bool drop_behind,
+                       bool refuse_direct_for_test)
     : pool_(threads ? threads : 8),
       block_(align_up(std::max<uint64_t>(block_bytes, kDirectAlign))),
       direct_(direct),
       drop_behind_(drop_behind),
-      front_to_back_(front_to_back && !drop_behind),
-      test_einval_(env_flag("STREAMLOAD_TEST_DIRECT_EINVAL")) {}
+      refuse_direct_(refuse_direct_for_test) {}
 
 char* ColdReader::acquire() {
   std::lock_guard<std::mutex> lk(mu_);
@@ -230,17 +202,6 @@ std::shared_ptr<Fds> ColdReader::open(const std::string& path, int expect_fd) {
     // own readahead would also read what lies between them, which on a rank that reads
     // every other slice of each tensor is the next rank's bytes.
     if (f->direct < 0) ::posix_fadvise(f->buffered, 0, 0, POSIX_FADV_RANDOM);
-    if (f->direct < 0 && front_to_back_) {
-      // A second description of the same file, with readahead state of its own.
-      f->ahead_fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-      if (f->ahead_fd < 0) throw FileError(errno_text("cannot open"), path);
-      struct stat a, b;
-      if (::fstat(f->ahead_fd, &a) != 0 || ::fstat(f->buffered, &b) != 0)
-        throw FileError(errno_text("cannot stat"), path);
-      if (a.st_dev != b.st_dev || a.st_ino != b.st_ino)
-        throw FileError("the file was replaced while it was opened", path);
-      ::posix_fadvise(f->ahead_fd, 0, 0, POSIX_FADV_SEQUENTIAL);
-    }
   }
   fds_.emplace_back(path, f);
   if (fds_.size() > kOpenFiles) fds_.erase(fds_.begin());  // a read still using it holds its own reference
@@ -290,10 +251,6 @@ ReadStats ColdReader::read(const std::string& path, const std::vector<ReadRange>
       }
     }
   }
-  // A front_to_back reader reads a dense buffered call through the kernel's readahead.
-  const bool front_to_back = f.ahead_fd >= 0 && f.direct < 0 && !rs.empty() &&
-                             dense(stats.bytes_requested, rs.back().offset + rs.back().nbytes - rs.front().offset);
-  const int read_fd = front_to_back ? f.ahead_fd : f.buffered;
   std::atomic<bool> direct_ok{f.direct >= 0};
   std::atomic<bool> refused{f.refused};
   std::atomic<uint64_t> bytes{0}, direct_windows{0};
@@ -323,7 +280,7 @@ ReadStats ColdReader::read(const std::string& path, const std::vector<ReadRange>
       char* bounce = target ? nullptr : acquire();
       int64_t got = -1;
       try {
-        if (!test_einval_)
+        if (!refuse_direct_)
           got = read_span(f.direct, target ? target : bounce, win.begin, win.end - win.begin, hi - win.begin, true, path);
         if (got >= 0 && bounce != nullptr) {
           for (auto r = first; r != last; ++r) {
@@ -354,13 +311,13 @@ ReadStats ColdReader::read(const std::string& path, const std::vector<ReadRange>
     if (single || (hi - lo) / static_cast<uint64_t>(last - first) >= kOwnRead) {
       for (auto r = first; r != last; ++r) {
         uint64_t a = std::max(lo, r->offset), b = std::min(hi, r->offset + r->nbytes);
-        read_buffered(read_fd, r->dst + (a - r->offset), a, b - a, front_to_back, path);
+        read_span(f.buffered, r->dst + (a - r->offset), a, b - a, b - a, false, path);
       }
       bytes.fetch_add(hi - lo);
     } else {
       char* bounce = acquire();
       try {
-        read_buffered(read_fd, bounce, lo, hi - lo, front_to_back, path);
+        read_span(f.buffered, bounce, lo, hi - lo, hi - lo, false, path);
         bytes.fetch_add(hi - lo);
         for (auto r = first; r != last; ++r) {
           uint64_t a = std::max(lo, r->offset), b = std::min(hi, r->offset + r->nbytes);
@@ -382,14 +339,11 @@ ReadStats ColdReader::read(const std::string& path, const std::vector<ReadRange>
     // Every window is requested up front, then copied out in file order as its pages
     // arrive. In slices: the kernel caps one WILLNEED at max(io_pages, ra_pages) (128 KiB
     // to a few MiB), and drops the rest of a larger one silently.
-    // Front to back: no WILLNEED, the kernel's readahead instead (see kFrontToBackPiece).
-    if (!front_to_back)
-      for (const Window& win : windows)
-        for (uint64_t at = win.begin; at < win.end; at += kAdviseSlice)
-          ::posix_fadvise(f.buffered, static_cast<off_t>(at), static_cast<off_t>(std::min(kAdviseSlice, win.end - at)),
-                          POSIX_FADV_WILLNEED);
+    for (const Window& win : windows)
+      for (uint64_t at = win.begin; at < win.end; at += kAdviseSlice)
+        ::posix_fadvise(f.buffered, static_cast<off_t>(at), static_cast<off_t>(std::min(kAdviseSlice, win.end - at)),
+                        POSIX_FADV_WILLNEED);
     for (size_t w = 0; w < windows.size(); ++w) one(w);
-    if (front_to_back) stats.front_to_back_windows = windows.size();
   }
   // Once more over everything read, after every window finished: a page one window's
   // read brought in after its neighbour dropped its range goes too.
@@ -457,10 +411,10 @@ ReadStats ColdReader::probe(const std::vector<std::string>& paths) {
     stats.bytes_requested += files[i]->size;
     stats.direct_refused = stats.direct_refused || files[i]->refused;
     // Buffered reads would measure the page cache unless the pages are gone.
-    if (files[i]->direct < 0 || test_einval_) evict(paths[i], 0, 0, true);
+    if (files[i]->direct < 0 || refuse_direct_) evict(paths[i], 0, 0, true);
   }
-  std::atomic<bool> direct_ok{!test_einval_};
-  std::atomic<bool> refused{stats.direct_refused || test_einval_};
+  std::atomic<bool> direct_ok{!refuse_direct_};
+  std::atomic<bool> refused{stats.direct_refused || refuse_direct_};
   std::atomic<uint64_t> bytes{0}, direct_windows{0};
   auto t0 = std::chrono::steady_clock::now();
   pool_.run(blocks.size(), [&](size_t k) {

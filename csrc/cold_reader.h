@@ -40,7 +40,6 @@ struct ReadStats {
   uint64_t bytes_read = 0;       // bytes the windows read (O_DIRECT: aligned; buffered: first range to last, short gaps included)
   uint64_t windows = 0;          // windows read, large and aligned (a buffered one: one pread, or one per range of 64 KiB+)
   uint64_t direct_windows = 0;   // of which with O_DIRECT
-  uint64_t front_to_back_windows = 0;  // of which buffered, front to back through the kernel's readahead
   bool direct_refused = false;   // open(O_DIRECT) or a direct read failed with EINVAL
   double seconds = 0;
 };
@@ -61,15 +60,13 @@ class ColdReader {
   // threads: preads in flight (0: 8; they wait on the disk, not the CPU).
   // block_bytes: the size of one read (rounded up to kDirectAlign). drop_behind: DONTNEED each window once
   // consumed, so the checkpoint does not stay in the page cache.
-  // front_to_back: a buffered call whose ranges cover 15/16 of their span or more is read
-  // front to back in 1 MiB preads on a descriptor the kernel reads ahead of, with no
-  // WILLNEED: for the only reader of a load, which reads next whatever the kernel reads
-  // past a call (never with drop_behind, which must leave no pages).
-  ColdReader(size_t threads, uint64_t block_bytes, DirectMode direct, bool drop_behind, bool front_to_back = false);
+  // refuse_direct_for_test: every O_DIRECT read fails with EINVAL, as on a file system that
+  // refuses it, so that tests reach the buffered fallback on any file system.
+  ColdReader(size_t threads, uint64_t block_bytes, DirectMode direct, bool drop_behind,
+             bool refuse_direct_for_test = false);
 
   size_t threads() const { return pool_.size(); }
   uint64_t block_bytes() const { return block_; }
-  bool front_to_back() const { return front_to_back_; }
 
   // Reads every range (sorted by offset, not overlapping, inside the file,
   // each nbytes <= dst_len: checked before anything is read). Ranges closer
@@ -104,15 +101,14 @@ class ColdReader {
   uint64_t block_;
   DirectMode direct_;
   bool drop_behind_;
-  bool front_to_back_;
-  bool test_einval_;  // STREAMLOAD_TEST_DIRECT_EINVAL=1: direct reads fail as on a refusing FS
+  bool refuse_direct_;  // direct reads fail as on a file system that refuses O_DIRECT (tests)
   std::mutex mu_;
   std::vector<std::unique_ptr<Buffer>> all_;
   std::vector<char*> free_;
   std::vector<std::pair<std::string, std::shared_ptr<Fds>>> fds_;  // the last files read, oldest first
 };
 
-// DirectMode from "auto" | "off" | "on"; STREAMLOAD_DIRECT_IO=0 turns auto into off.
+// DirectMode from "auto" | "off" | "on" (the caller decides; nothing here reads the environment).
 DirectMode parse_direct_mode(const std::string& s);
 
 }  // namespace streamload

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-import os
 import sys
 from dataclasses import asdict, dataclass, field
 from typing import Any
+
+from .options import env_flag
 
 
 @dataclass
@@ -71,10 +72,6 @@ class LoadReport:
 
 
 def progress_enabled(progress: bool | None) -> bool:
-    """STREAMLOAD_PROGRESS=0/1 wins; else ``progress``; else only on a TTY."""
-    env = os.environ.get("STREAMLOAD_PROGRESS")
-    if env is not None and env.strip() != "":
-        return env.strip().lower() not in ("0", "false", "no", "off")
-    if progress is not None:
-        return bool(progress)
-    return sys.stderr.isatty()
+    """``progress`` when given; else STREAMLOAD_PROGRESS=0/1; else only on a TTY."""
+    chosen = env_flag("progress", progress)
+    return sys.stderr.isatty() if chosen is None else chosen

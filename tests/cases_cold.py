@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import gc
-import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -33,10 +32,10 @@ def evicted_mesh(rank: int, ckpt: str, ws: int) -> tuple[Any, list[str]] | None:
 
 
 @contextmanager
-def recorded_engines(env: dict[str, str | None], **engine_kwargs: Any) -> Iterator[list[cold.ColdEngine]]:
+def recorded_engines(**engine_kwargs: Any) -> Iterator[list[cold.ColdEngine]]:
     """Inside: every ColdEngine made is kept in the yielded list (built with ``engine_kwargs``
-    on top of the caller's), and the variables in ``env`` are set (None: left as they are);
-    both are put back on the way out, so later cases in the same rank process see neither."""
+    on top of the caller's); put back on the way out, so later cases in the same rank process
+    make plain engines."""
     engines: list[cold.ColdEngine] = []
     made = cold.ColdEngine
 
@@ -45,18 +44,11 @@ def recorded_engines(env: dict[str, str | None], **engine_kwargs: Any) -> Iterat
             super().__init__(*args, **{**kwargs, **engine_kwargs})
             engines.append(self)
 
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update({k: v for k, v in env.items() if v is not None})
     cold.ColdEngine = Recorded  # type: ignore[misc]
     try:
         yield engines
     finally:
         cold.ColdEngine = made  # type: ignore[misc]
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
 
 
 def case_cold_load(
@@ -68,27 +60,20 @@ def case_cold_load(
     read_mode: str,
     readers: str = "src",
     drop_cache: bool = False,
-    direct_io: str | None = None,
+    direct_io: bool | None = None,
     dtype: torch.dtype | None = None,
     nodes: int = 0,
-    front_to_back: str | None = None,
 ) -> dict | None:
     """Evicts the files, loads with ``read_mode``, measures what stayed in the
     page cache, then compares every parameter with transformers. ``direct_io``:
-    STREAMLOAD_DIRECT_IO for the load ("1": O_DIRECT, "0": buffered, None: the
-    default); ``nodes``: simulated nodes (STREAMLOAD_NODE), for ``readers="node"``;
-    ``front_to_back``: STREAMLOAD_FRONT_TO_BACK for the load."""
+    the load's keyword (True: O_DIRECT, False: buffered, None: the default);
+    ``nodes``: simulated nodes (the ``node`` keyword), for ``readers="node"``."""
     ready = evicted_mesh(rank, ckpt, ws)
     if ready is None:
         return None
     mesh, paths = ready
     group = mesh.get_group()
-    env = {
-        "STREAMLOAD_DIRECT_IO": direct_io,
-        "STREAMLOAD_NODE": str(rank * nodes // ws) if nodes else None,
-        "STREAMLOAD_FRONT_TO_BACK": front_to_back,
-    }
-    with recorded_engines(env) as engines:
+    with recorded_engines() as engines:
         sees = readers != "src" or rank == 0
         model = streamload.from_pretrained(
             ckpt if sees else MISSING_PATH,
@@ -99,6 +84,8 @@ def case_cold_load(
             readers=readers,
             read_mode=read_mode,
             drop_cache=drop_cache,
+            direct_io=direct_io,
+            node=str(rank * nodes // ws) if nodes else None,
         )
     dist.barrier(group=group)
     resident = cold.residency(paths)  # before transformers maps the files
@@ -116,8 +103,6 @@ def case_cold_load(
         "mapped": rep.bytes_mapped,
         # This rank's cold reads (None where it opened no cold checkpoint).
         "buffered": engines[-1].buffered if engines else None,
-        "front_to_back": engines[-1].front_to_back if engines else None,
-        "front_to_back_reads": sum(st.front_to_back_reads for st in stats),
         "cold_reads": sum(st.reads for st in stats),
         "direct_reads": sum(st.direct_reads for st in stats),
         "direct_refused": any(st.direct_refused for st in stats),

@@ -44,12 +44,12 @@ def case_read_ahead(
     readers: str,
     chunk: int = 16 << 10,
     bucket: int = 64 << 10,
-    direct_io: str | None = None,
+    direct_io: bool | None = None,
     in_place: bool = True,
 ) -> dict[str, Any] | None:
     """Evicts the files, loads cold with small buckets and chunks while logging every
     step, compares with transformers, and returns what the log shows on this rank.
-    ``direct_io``: STREAMLOAD_DIRECT_IO for the load ("1": O_DIRECT, default buffered);
+    ``direct_io``: the load's keyword (True: O_DIRECT, default buffered);
     ``in_place``: the engine's (False: every read goes through the read buffers)."""
     ready = evicted_mesh(rank, ckpt, ws)
     if ready is None:
@@ -57,9 +57,7 @@ def case_read_ahead(
     mesh, paths = ready
     group = mesh.get_group()
     # The load's own engine with small chunks, kept for its figures.
-    with recorded_engines(
-        {"STREAMLOAD_DIRECT_IO": direct_io}, chunk_bytes=chunk, in_place=in_place
-    ) as engines:
+    with recorded_engines(chunk_bytes=chunk, in_place=in_place) as engines:
         sees = readers != "src" or rank == 0
         with observe() as tl:
             model = streamload.from_pretrained(
@@ -69,6 +67,7 @@ def case_read_ahead(
                 progress=False,
                 readers=readers,
                 read_mode="cold",
+                direct_io=direct_io,
             )
     dist.barrier(group=group)
     ref = reference(ckpt, None)
@@ -144,7 +143,7 @@ def case_failure_drains_reads_ahead(
         else:
             Packer.pack = fail_second(real_pack)  # type: ignore[method-assign]
     error = None
-    with recorded_engines({"STREAMLOAD_DIRECT_IO": "0"}, chunk_bytes=8192) as engines:
+    with recorded_engines(chunk_bytes=8192, direct_io=False) as engines:
         try:
             streamload.from_pretrained(
                 ckpt if readers != "src" or rank == 0 else MISSING_PATH,
@@ -210,7 +209,7 @@ def case_reads_never_land_in_a_slot_in_flight(
     Transport.start, Transport.wait = start, staticmethod(wait)  # type: ignore[method-assign, assignment]
     cold.ColdEngine._in_place = pick  # type: ignore[method-assign]
     try:
-        with recorded_engines({"STREAMLOAD_DIRECT_IO": "0"}, chunk_bytes=8192):
+        with recorded_engines(chunk_bytes=8192, direct_io=False):
             model = streamload.from_pretrained(
                 ckpt if rank == 0 else MISSING_PATH,
                 device_mesh=mesh,

@@ -71,17 +71,15 @@ def test_checkpoint_cold_reads_bit_exact(ckpts: dict[str, str], name: str, monke
     c = Checkpoint(ckpts[name], mode="cold")
     _check_all(c, ckpts[name])
     assert c.engine.buffered and c.engine.stats.reads > 0 and c.engine.stats.direct_reads == 0
-    assert c.engine.stats.front_to_back_reads == 0  # a checkpoint on its own does not read front to back
-    c.engine.read_front_to_back(True)  # as the one reader of a load does
-    _check_all(c, ckpts[name])
-    assert c.engine.front_to_back and c.engine.stats.front_to_back_reads > 0
-    monkeypatch.setenv("STREAMLOAD_DIRECT_IO", "1")
-    monkeypatch.setenv("STREAMLOAD_TEST_DIRECT_EINVAL", "1")  # a file system refusing O_DIRECT
-    c = Checkpoint(ckpts[name], mode="cold")
-    _check_all(c, ckpts[name])
+    with monkeypatch.context() as m:  # a file system refusing O_DIRECT: every reader made refuses
+        real = cold._native.ColdReader
+        m.setattr(cold._native, "ColdReader", lambda **kw: real(**kw, refuse_direct_for_test=True))
+        c = Checkpoint(ckpts[name], mode="cold", direct_io=True)
+        _check_all(c, ckpts[name])
+    assert not c.engine.buffered
     assert c.engine.stats.direct_refused and c.engine.stats.direct_reads == 0
-    monkeypatch.delenv("STREAMLOAD_TEST_DIRECT_EINVAL")
-    c = Checkpoint(ckpts[name], mode="cold")
+    c.engine.close()
+    c = Checkpoint(ckpts[name], mode="cold", direct_io=True)
     _check_all(c, ckpts[name])
     if c.engine.stats.direct_refused:
         pytest.skip("this file system refuses O_DIRECT (its fallback was checked above)")
@@ -106,21 +104,18 @@ def test_auto_reads_explicitly_when_the_files_are_cold(ckpts: dict[str, str]) ->
         Checkpoint(ckpts["one_file"], mode="sometimes")
 
 
-@pytest.mark.parametrize("env", [None, "0"])
+@pytest.mark.parametrize("direct_io", [None, False])
 def test_drop_cache_leaves_the_files_out_of_the_page_cache(
-    ckpts: dict[str, str], monkeypatch: pytest.MonkeyPatch, env: str | None
+    ckpts: dict[str, str], monkeypatch: pytest.MonkeyPatch, direct_io: bool | None
 ) -> None:
     """Buffered reads (the default) fill the page cache; drop_cache leaves nothing behind,
     read O_DIRECT (the default with drop_cache) or buffered (forced: dropped behind the reader)."""
     paths = _paths(ckpts["one_file"])
-    if env is None:
-        monkeypatch.delenv("STREAMLOAD_DIRECT_IO", raising=False)
-    else:
-        monkeypatch.setenv("STREAMLOAD_DIRECT_IO", env)
+    monkeypatch.delenv("STREAMLOAD_DIRECT_IO", raising=False)
     for drop in (False, True):
         cold.evict(paths)
-        c = Checkpoint(ckpts["one_file"], mode="cold", drop_cache=drop)
-        assert c.engine.buffered is (env == "0" or not drop)
+        c = Checkpoint(ckpts["one_file"], mode="cold", drop_cache=drop, direct_io=direct_io)
+        assert c.engine.buffered is (direct_io is False or not drop)
         out = {t.name: c.read(t.name) for t in c.tensors}
         assert len(out) == len(c.tensors)
         resident = cold.residency(paths)
@@ -129,14 +124,15 @@ def test_drop_cache_leaves_the_files_out_of_the_page_cache(
 
 @pytest.mark.parametrize("ws", [2, 3])
 @pytest.mark.parametrize(
-    ("readers", "direct_io"), [("src", None), ("src", "1"), ("owners", None), ("node", None)]
+    ("readers", "direct_io"), [("src", None), ("src", True), ("owners", None), ("node", None)]
 )
 def test_cold_load_matches_transformers(
-    group: RankGroup, ckpts: dict[str, str], ws: int, readers: str, direct_io: str | None
+    group: RankGroup, ckpts: dict[str, str], ws: int, readers: str, direct_io: bool | None
 ) -> None:
     """Cold loads bit-exact with transformers in every reader mode ("node": two simulated
-    nodes), every reader reading buffered (the default; plain copies land in their
-    destinations, casts go through the read buffers) or O_DIRECT (forced)."""
+    nodes, named by the ``node`` keyword), every reader reading buffered (the default; plain
+    copies land in their destinations, casts go through the read buffers) or O_DIRECT
+    (``direct_io=True``)."""
     refused = False
     for name in ("tied", "one_file"):
         for dtype in (None, torch.float32):
@@ -149,7 +145,6 @@ def test_cold_load_matches_transformers(
                 dtype=dtype,
                 direct_io=direct_io,
                 nodes=2 if readers == "node" else 0,
-                front_to_back="1" if dtype is None else None,  # opt-in, else the default (off)
             )
             assert res[0]["read_mode"] == "cold"
             readers_ = [r for r in res if r and r["cold_reads"]]
@@ -157,18 +152,11 @@ def test_cold_load_matches_transformers(
             assert len(readers_) == expect, res
             for r in readers_:
                 refused |= r["direct_refused"]
-                # Opted in, the one reader of src over every process reads every byte: the
-                # kernel may read ahead of its buffered reads. Owners and node readers read
-                # slices of the files, and so does a reader of a load over part of the world
-                # (ws < WORLD): only the windows they ask for.
-                whole = readers == "src" and ws == WORLD and dtype is None
-                assert r["front_to_back"] is whole, r
-                if direct_io == "1":
+                if direct_io:
                     assert not r["buffered"] and (r["direct_reads"] > 0 or r["direct_refused"]), r
-                    assert r["in_place_bytes"] == 0 and r["front_to_back_reads"] == 0, r
+                    assert r["in_place_bytes"] == 0, r
                 else:
                     assert r["buffered"] and r["direct_reads"] == 0, r
-                    assert (r["front_to_back_reads"] > 0) is whole, r
                     if dtype is None:  # the checkpoint's dtype: plain copies land in place
                         assert r["in_place_bytes"] > 0, r
             if any(r["mapped"] for r in res if r):
@@ -185,7 +173,7 @@ def test_auto_and_drop_cache_in_a_load(group: RankGroup, ckpts: dict[str, str]) 
     res = group.run(cases_cold.case_cold_load, ckpt=ckpt, ws=3, read_mode="cold")
     assert res[0]["resident"] > 0.5  # buffered reads leave the pages in the cache
     res = group.run(
-        cases_cold.case_cold_load, ckpt=ckpt, ws=3, read_mode="cold", direct_io="0", drop_cache=True
+        cases_cold.case_cold_load, ckpt=ckpt, ws=3, read_mode="cold", direct_io=False, drop_cache=True
     )
     assert res[0]["resident"] < 0.01  # even forced buffered: each window dropped behind the reader
 
@@ -233,31 +221,50 @@ def test_transposed_source_larger_than_a_chunk_is_cut_not_recursed() -> None:
 
 
 @pytest.mark.parametrize(
-    ("env", "drop", "direct"), [(None, False, False), ("1", False, True), (None, True, True)]
+    ("env", "keyword", "drop", "direct"),
+    [
+        (None, None, False, False),
+        (None, True, False, True),
+        ("1", None, False, True),  # the variable applies where the keyword is not given
+        ("0", True, False, True),  # a keyword passed explicitly wins over the variable
+        ("1", False, False, False),
+        (None, None, True, True),
+        ("0", None, True, False),
+    ],
 )
 def test_reads_buffered_unless_direct_is_forced_or_pages_are_dropped(
-    ckpts: dict[str, str], monkeypatch: pytest.MonkeyPatch, env: str | None, drop: bool, direct: bool
+    ckpts: dict[str, str],
+    monkeypatch: pytest.MonkeyPatch,
+    env: str | None,
+    keyword: bool | None,
+    drop: bool,
+    direct: bool,
 ) -> None:
-    """A new engine reads buffered (no O_DIRECT read), unless STREAMLOAD_DIRECT_IO=1
-    forces O_DIRECT or drop_cache needs it; the same bytes either way; and asking the
-    engine for O_DIRECT then reads O_DIRECT."""
+    """A new engine reads buffered (no O_DIRECT read), unless ``direct_io=True`` (or, not
+    given, STREAMLOAD_DIRECT_IO=1) forces O_DIRECT or drop_cache needs it; the same bytes
+    either way; and asking the engine for O_DIRECT then reads O_DIRECT, unless buffered
+    reads were forced (``direct_io=False``, or STREAMLOAD_DIRECT_IO=0 where it is not given)."""
     if env is None:
         monkeypatch.delenv("STREAMLOAD_DIRECT_IO", raising=False)
     else:
         monkeypatch.setenv("STREAMLOAD_DIRECT_IO", env)
-    c = Checkpoint(ckpts["tied"], mode="cold", drop_cache=drop)
+    c = Checkpoint(ckpts["tied"], mode="cold", drop_cache=drop, direct_io=keyword)
     assert c.engine.buffered is not direct
     _check_all(c, ckpts["tied"])
     stats = c.engine.stats
     assert stats.reads > 0
     assert (stats.direct_reads > 0 or stats.direct_refused) if direct else stats.direct_reads == 0
+    forced_buffered = c.engine.direct_io is False
     c.engine.read_buffered(False)
-    assert not c.engine.buffered
+    assert c.engine.buffered is forced_buffered
     before = stats.direct_reads
     _check_all(c, ckpts["tied"])
     c.engine.read_buffered(True)
     assert c.engine.buffered is not direct
     c.engine.close()
+    if forced_buffered:
+        assert stats.direct_reads == before == 0
+        return
     if stats.direct_refused:
         pytest.skip("this file system refuses O_DIRECT")
     assert stats.direct_reads > before
@@ -301,9 +308,9 @@ def test_a_file_replaced_after_open_is_an_error_not_a_mix(
     c.engine.close()
 
 
-@pytest.mark.parametrize(("in_place", "direct_io"), [(True, None), (False, None), (True, "1")])
+@pytest.mark.parametrize(("in_place", "direct_io"), [(True, None), (False, None), (True, True)])
 def test_plain_copies_land_in_place_the_rest_through_the_buffers(
-    ckpts: dict[str, str], monkeypatch: pytest.MonkeyPatch, in_place: bool, direct_io: str | None
+    ckpts: dict[str, str], monkeypatch: pytest.MonkeyPatch, in_place: bool, direct_io: bool | None
 ) -> None:
     """One batch mixing every kind of copy: buffered, the plain ones (a whole tensor, a row
     slice) are read straight into their destinations; a column slice, a cast, and two
@@ -311,14 +318,13 @@ def test_plain_copies_land_in_place_the_rest_through_the_buffers(
     the mapped engine in every mode; nothing lands in place when turned off or O_DIRECT."""
     from streamload.io.copy_ops import ST_DTYPES, OpBatch
 
-    monkeypatch.delenv("STREAMLOAD_IN_PLACE", raising=False)
-    if direct_io is None:
-        monkeypatch.delenv("STREAMLOAD_DIRECT_IO", raising=False)
-    else:
-        monkeypatch.setenv("STREAMLOAD_DIRECT_IO", direct_io)
+    monkeypatch.delenv("STREAMLOAD_DIRECT_IO", raising=False)
     ckpt = ckpts["one_file"]
     c = Checkpoint(ckpt, mode="cold")
-    first, c.engine = c.engine, cold.ColdEngine(c.engine.engine, c.files, in_place=in_place)
+    first, c.engine = (
+        c.engine,
+        cold.ColdEngine(c.engine.engine, c.files, in_place=in_place, direct_io=direct_io),
+    )
     first.close()
     with safe_open(_paths(ckpt)[0], "pt") as f:
         names = [
@@ -462,77 +468,19 @@ def test_in_place_picks_plain_copies_only() -> None:
     engine.close()
 
 
-@pytest.mark.parametrize(
-    ("mode", "src", "nodes", "world", "rank", "whole", "expect"),
-    [
-        ("src", 0, [], 4, 0, True, True),
-        ("src", 0, [], 4, 1, True, False),
-        ("src", 1, [], 4, 1, True, True),  # src_rank=1
-        ("src", 1, [], 4, 0, True, False),
-        ("src", 0, [], 2, 0, False, False),  # a load over a subgroup (one pipeline stage)
-        ("owners", 0, [], 1, 0, True, True),
-        ("owners", 0, [], 3, 0, True, False),
-        ("node", 0, [0], 3, 0, True, True),  # one node: its reader reads everything
-        ("node", 0, [0, 2], 4, 0, True, False),
-        ("node", 0, [0, 2], 4, 2, True, False),
-    ],
-)
-def test_reads_every_byte_only_the_one_reader_of_the_whole_world(
-    monkeypatch: pytest.MonkeyPatch,
-    mode: str,
-    src: int,
-    nodes: list[int],
-    world: int,
-    rank: int,
-    whole: bool,
-    expect: bool,
-) -> None:
-    """Whom the kernel may read ahead of (read_front_to_back): the only reader of a load
-    over every process, in any reader mode."""
-    from streamload.load import prepare
-    from streamload.transport.readers import ReaderChoice, ReaderMode
-
-    choice = ReaderChoice(ReaderMode(mode), "test", node_readers=nodes)
-    group = object()  # the load's group: the whole world or not
-    monkeypatch.setattr(prepare.dist, "get_world_size", lambda g=None: world if g is group or whole else 8)
-    assert prepare.reads_every_byte(choice.reader_ranks(src, world), rank, group) is expect
-    assert prepare.reads_every_byte({0}, 0, None)  # one process, no torch.distributed
-
-
-def test_read_front_to_back_only_where_the_kernel_may_read_ahead(
+def test_landing_in_place_off_reads_through_the_buffers(
     ckpts: dict[str, str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Off by default; on when asked, buffered; never with drop_cache (no page may stay);
-    asking again after reads swaps the lane readers."""
+    """``in_place=False`` (the engine's own argument): every read goes through the read
+    buffers (same bytes); the default lands plain copies in place."""
     monkeypatch.delenv("STREAMLOAD_DIRECT_IO", raising=False)
     c = Checkpoint(ckpts["one_file"], mode="cold")
-    assert not c.engine.front_to_back
-    c.engine.read_front_to_back(True)
-    assert c.engine.front_to_back
-    _check_all(c, ckpts["one_file"])
-    ahead = c.engine.stats.front_to_back_reads
-    assert ahead > 0
-    c.engine.read_front_to_back(False)
-    assert not c.engine.front_to_back
-    _check_all(c, ckpts["one_file"])
-    assert c.engine.stats.front_to_back_reads == ahead and c.engine.stats.reads > ahead
     c.engine.close()
-    c = Checkpoint(ckpts["one_file"], mode="cold", drop_cache=True)
-    c.engine.read_front_to_back(True)
-    assert not c.engine.front_to_back
-    c.engine.close()
-
-
-def test_env_turns_landing_in_place_off(ckpts: dict[str, str], monkeypatch: pytest.MonkeyPatch) -> None:
-    """STREAMLOAD_IN_PLACE=0: every read goes through the read buffers (same bytes)."""
-    monkeypatch.delenv("STREAMLOAD_DIRECT_IO", raising=False)
-    monkeypatch.setenv("STREAMLOAD_IN_PLACE", "0")
-    c = Checkpoint(ckpts["one_file"], mode="cold")
+    c.engine = cold.ColdEngine(c.engine.engine, c.files, in_place=False)
     assert c.engine.buffered and not c.engine.lands_in_place and not c.engine.lands_ahead
     _check_all(c, ckpts["one_file"])
     assert c.engine.stats.reads > 0 and c.engine.stats.in_place_bytes == 0
     c.engine.close()
-    monkeypatch.delenv("STREAMLOAD_IN_PLACE")
     c = Checkpoint(ckpts["one_file"], mode="cold")
     assert c.engine.lands_ahead
     _check_all(c, ckpts["one_file"])

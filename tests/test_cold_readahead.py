@@ -215,9 +215,9 @@ def group():
     g.close()
 
 
-@pytest.mark.parametrize(("ws", "direct_io"), [(2, None), (3, None), (3, "1")])
+@pytest.mark.parametrize(("ws", "direct_io"), [(2, None), (3, None), (3, True)])
 def test_src_reads_bucket_k1_before_bucket_k_is_scattered(
-    group: RankGroup, ckpts: dict[str, str], ws: int, direct_io: str | None
+    group: RankGroup, ckpts: dict[str, str], ws: int, direct_io: bool | None
 ) -> None:
     """Buffered (the default) and O_DIRECT alike: the reader reads ahead across buckets."""
     res = group.run(
@@ -231,7 +231,7 @@ def test_src_reads_bucket_k1_before_bucket_k_is_scattered(
     assert eligible >= 3 and ahead == eligible, r0
     ahead, eligible = r0["ahead_of_scatter"]
     assert eligible >= 3 and ahead == eligible, r0
-    if direct_io == "1":
+    if direct_io:
         if r0["direct_refused"]:
             pytest.skip("this file system refuses O_DIRECT")
         assert not r0["buffered"] and r0["direct_reads"] > 0, r0

@@ -106,13 +106,19 @@ def test_validate_targets_named_errors() -> None:
 
 
 def test_progress_switch(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The keyword when given; else STREAMLOAD_PROGRESS; else only on a TTY."""
     monkeypatch.setenv("STREAMLOAD_PROGRESS", "0")
-    assert progress_enabled(True) is False
+    assert progress_enabled(None) is False
+    assert progress_enabled(True) is True  # a keyword passed explicitly wins
     monkeypatch.setenv("STREAMLOAD_PROGRESS", "1")
-    assert progress_enabled(False) is True
+    assert progress_enabled(None) is True
+    assert progress_enabled(False) is False
     monkeypatch.delenv("STREAMLOAD_PROGRESS")
     assert progress_enabled(True) is True and progress_enabled(False) is False
     assert progress_enabled(None) is os.isatty(2)
+    monkeypatch.setenv("STREAMLOAD_PROGRESS", "sometimes")
+    with pytest.raises(ValueError, match="STREAMLOAD_PROGRESS"):
+        progress_enabled(None)
 
 
 def _materialize(sym, sources):

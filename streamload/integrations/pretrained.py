@@ -193,6 +193,7 @@ def from_pretrained(
         load_kwargs.pop("threads", None),
         extra=lambda: _read_configs(Path(path)),
         drop_cache=bool(load_kwargs.get("drop_cache", False)),
+        direct_io=load_kwargs.get("direct_io"),
     )
     meta = opened.meta
     config = meta.extra["config"]

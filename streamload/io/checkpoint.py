@@ -167,10 +167,12 @@ class Checkpoint:
             ``model.safetensors.index.json`` or several ``.safetensors`` files.
         mode: ``"mmap"``, ``"pread"``, ``"cold"`` (explicit large aligned reads for
             files not in the page cache: buffered, or O_DIRECT with ``drop_cache`` or
-            ``STREAMLOAD_DIRECT_IO=1``; see ``cold.ColdEngine``) or ``"auto"``: cold when less than half of the
+            ``direct_io=True``; see ``cold.ColdEngine``) or ``"auto"``: cold when less than half of the
             files' pages are cached (``mincore``), else mapped (pread where mmap fails).
         threads: copy threads (default: the CPUs available).
         drop_cache: cold reads drop what they read from the page cache behind them.
+        direct_io: cold reads with O_DIRECT (True) or buffered (False); None: the default
+            policy (see ``load_checkpoint`` and docs/options.md).
 
     Attributes:
         read_mode: the mode in use: ``"mmap"``, ``"pread"`` or ``"cold"``.
@@ -186,6 +188,7 @@ class Checkpoint:
         mode: str = "auto",
         threads: int | None = None,
         drop_cache: bool = False,
+        direct_io: bool | None = None,
     ) -> None:
         self.path = Path(path)
         self.mode = mode
@@ -197,7 +200,7 @@ class Checkpoint:
         self.files = [_native.SafetensorsFile(str(p), native_mode) for p in paths]
         self.engine: Any = _native.CopyEngine(threads or 0)
         if chosen == "cold":
-            self.engine = cold.ColdEngine(self.engine, self.files, drop_cache=drop_cache)
+            self.engine = cold.ColdEngine(self.engine, self.files, drop_cache=drop_cache, direct_io=direct_io)
         self.read_mode = (
             chosen if chosen != "auto" else ("mmap" if all(f.mapped for f in self.files) else "pread")
         )
@@ -414,11 +417,17 @@ class LazyCheckpoint(os.PathLike):
     def __repr__(self) -> str:
         return f"Checkpoint.lazy({self.path!r}, mode={self.mode!r})"
 
-    def open(self, mode: str = "auto", threads: int | None = None, drop_cache: bool = False) -> Checkpoint:
+    def open(
+        self,
+        mode: str = "auto",
+        threads: int | None = None,
+        drop_cache: bool = False,
+        direct_io: bool | None = None,
+    ) -> Checkpoint:
         """Opens it: the handle's own settings win over the loader's (the arguments).
 
         Args:
-            mode, threads, drop_cache: the loader's settings.
+            mode, threads, drop_cache, direct_io: the loader's settings.
 
         Returns:
             The open Checkpoint.
@@ -428,6 +437,7 @@ class LazyCheckpoint(os.PathLike):
             mode=self.mode or mode,
             threads=self.threads if self.threads is not None else threads,
             drop_cache=self.drop_cache if self.drop_cache is not None else drop_cache,
+            direct_io=direct_io,
         )
 
 

@@ -98,14 +98,24 @@ Source = Checkpoint | StateDictSource
 
 
 def as_source(
-    obj: object, read_mode: str = "auto", threads: int | None = None, drop_cache: bool = False
+    obj: object,
+    read_mode: str = "auto",
+    threads: int | None = None,
+    drop_cache: bool = False,
+    direct_io: bool | None = None,
 ) -> Source:
-    """A path, Checkpoint, lazy checkpoint or dict of tensors as a packing source (``read_mode`` and
-    ``drop_cache``: see ``Checkpoint``)."""
+    """A path, Checkpoint, lazy checkpoint or dict of tensors as a packing source (``read_mode``,
+    ``drop_cache`` and ``direct_io``: see ``Checkpoint``)."""
     if isinstance(obj, (Checkpoint, StateDictSource)):
         return obj
     if isinstance(obj, Mapping):
         return StateDictSource(obj, threads)
     if isinstance(obj, LazyCheckpoint):
-        return obj.open(read_mode, threads, drop_cache)
-    return Checkpoint(obj, mode=read_mode, threads=threads, drop_cache=drop_cache)  # type: ignore[arg-type]
+        return obj.open(read_mode, threads, drop_cache, direct_io)
+    return Checkpoint(
+        obj,  # type: ignore[arg-type]
+        mode=read_mode,
+        threads=threads,
+        drop_cache=drop_cache,
+        direct_io=direct_io,
+    )

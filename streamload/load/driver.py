@@ -40,12 +40,17 @@ def load_checkpoint(
     quantized: str = "dequantize",
     unexpected: str = "error",
     mapping: Any = None,
+    direct_io: bool | None = None,
+    prefault: bool | None = None,
+    node: str | None = None,
 ) -> LoadReport:
     """Streams a safetensors checkpoint into an FSDP2 (or plain) model.
 
     Only ``src_rank`` opens ``path``; other ranks receive the tensor table and then only their own
     shards' bytes. Meta models are materialised on the mesh's device first; ties are re-bound and
-    non-persistent buffers restored afterwards.
+    non-persistent buffers restored afterwards. docs/options.md lists every keyword with when to
+    change it; ``direct_io``, ``prefault``, ``progress`` and ``node`` left at None may be set from
+    the environment instead (``STREAMLOAD_*``), a keyword passed explicitly wins.
 
     Args:
         model: a model, ``fully_shard``-ed or not, on meta or materialised.
@@ -58,15 +63,15 @@ def load_checkpoint(
         slots: staging slots (>= 2 overlaps packing with transport); a CPU ``src``/``node``
             reader whose next bucket's reads land in its slot (cold, buffered:
             ``Packer.lands_ahead``) holds one more.
-        progress: tqdm bar on ``src_rank`` (default: when stderr is a TTY; STREAMLOAD_PROGRESS=0/1 overrides).
+        progress: tqdm bar on ``src_rank`` (None: STREAMLOAD_PROGRESS=0/1 if set, else when stderr is a TTY).
         process_group: group to load over (default: the default group).
         device_mesh: the mesh the model is sharded on (for the device type).
         threads: native copy threads on the reader.
         read_mode: how the reader reads the files: "mmap", "pread", "cold" (large aligned reads in
             file order, read ahead across buckets, for files not in the page cache: buffered, each
-            window asked of the kernel up front; O_DIRECT with ``drop_cache`` or
-            ``STREAMLOAD_DIRECT_IO=1``) or "auto" (the default: cold when less than half of the files is in the page
-            cache, measured with mincore, else mmap). The choice is in ``LoadReport.read_mode``.
+            window asked of the kernel up front; O_DIRECT with ``drop_cache`` or ``direct_io=True``)
+            or "auto" (the default: cold when less than half of the files is in the page cache,
+            measured with mincore, else mmap). The choice is in ``LoadReport.read_mode``.
         drop_cache: leave the checkpoint out of the page cache (for hosts whose memory training
             needs): cold reads drop each window behind them; other modes evict the files at the end.
         readers: who reads (a ReaderMode or its name): "src" (``src_rank`` reads and scatters), "owners"
@@ -102,6 +107,18 @@ def load_checkpoint(
             ``MappingError`` on every rank. Persistent buffers the mapped format lacks
             (``moe.expert_bias_E``) keep their values, or are recomputed by their module
             (``_init_self_buffers``) on a model built on meta.
+        direct_io: how cold reads (``read_mode`` "cold") read: None (the default:
+            STREAMLOAD_DIRECT_IO=0/1 if set, else buffered, O_DIRECT with ``drop_cache``), True
+            (O_DIRECT where the file system allows it, buffered where it refuses; for disks where
+            O_DIRECT measures faster, or a reader short of CPU) or False (buffered, even with
+            ``drop_cache``: each window is dropped behind the reader).
+        prefault: fault in the pages of freshly allocated CPU shards on a helper thread while the
+            pipeline waits (``madvise(MADV_POPULATE_WRITE)``, Linux >= 5.14). None (the default):
+            on, unless STREAMLOAD_PREFAULT=0; False: off.
+        node: this process's node id, which ``readers="node"`` / ``"auto"`` group ranks by. None
+            (the default): STREAMLOAD_NODE if set, else torchrun's GROUP_RANK, else the host name;
+            pass it where ranks on one host should count as separate nodes or the host name
+            does not tell nodes apart.
 
     Returns:
         A LoadReport.

@@ -16,7 +16,6 @@ from torch import nn
 
 from ..errors import KeyMismatchError, PlacementError
 from ..io.checkpoint import Checkpoint
-from ..io.cold import ColdEngine
 from ..io.copy_ops import worker_threads
 from ..io.sources import Source, as_source
 from ..model.fsdp_ties import agree_ties, tie_layout
@@ -113,6 +112,9 @@ class LoadOptions:
     quantized: str = "dequantize"
     unexpected: str = "error"
     mapping: Any = None
+    direct_io: bool | None = None
+    prefault: bool | None = None
+    node: str | None = None
 
 
 class PhaseClock:
@@ -244,12 +246,13 @@ def prepare(
             options.read_mode,
             options.threads,
             drop_cache=options.drop_cache,
+            direct_io=options.direct_io,
         )
     meta = opened.meta
     src_group_rank = dist.get_group_rank(group, src_rank) if group is not None else 0
     group_rank = dist.get_group_rank(group, rank) if group is not None else 0
     in_memory = rank == src_rank and opened.source is not None and not isinstance(path, (str, os.PathLike))
-    choice = choose(options.readers, path, src_group_rank, group, device, in_memory)
+    choice = choose(options.readers, path, src_group_rank, group, device, in_memory, node=options.node)
     if group_rank == src_group_rank:
         log.info("streamload: readers=%s (%s)", choice.mode.value, choice.reason)
     clock.mark("open")
@@ -350,10 +353,6 @@ def _plan_and_map(
     mapped = MappedShards()
     ckpt = local.source
     readers = choice.reader_ranks(src_group_rank, world)
-    if isinstance(ckpt, Checkpoint) and isinstance(ckpt.engine, ColdEngine):
-        # Opt-in: it saves the reader CPU, not time (README, "Cold start").
-        opted = os.environ.get("STREAMLOAD_FRONT_TO_BACK") == "1"
-        ckpt.engine.read_front_to_back(opted and reads_every_byte(readers, group_rank, group))
     if options.map_files and device.type == "cpu" and isinstance(ckpt, Checkpoint) and local.mine:
         if group_rank in readers:
             mapped = map_shards(
@@ -369,19 +368,13 @@ def _plan_and_map(
                 # Views of cold files would fault page by page at first touch: read them in now.
                 ckpt.engine.prefetch(mapped.ranges)
     fallbacks = FallbackSources(local.conversion, ckpt, model, local.quant) if ckpt is not None else None
-    shards = Shards(locals_, fallbacks, options.slots, options.progress, mapped.targets, local.quant)
+    shards = Shards(
+        locals_, fallbacks, options.slots, options.progress, mapped.targets, local.quant, options.prefault
+    )
     return Prepared(
         model, options, clock, state, group, device, rank, group_rank, src_group_rank, choice, meta, ckpt,
         local.match, local.table, placements, plan, bucket_bytes, shards, mapped, local.unrestored, served,
     )  # fmt: skip
-
-
-def reads_every_byte(readers: set[int], group_rank: int, group: dist.ProcessGroup | None) -> bool:
-    """This rank is the only reader of a load over every process: it reads every byte the load
-    needs, so the kernel's readahead past its reads reads what it reads next, never another
-    reader's bytes (a load over a subgroup, e.g. one pipeline stage, reads part of the files)."""
-    whole = group is None or dist.get_world_size(group) == dist.get_world_size()
-    return whole and readers == {group_rank}
 
 
 def _src_plan(
@@ -504,5 +497,5 @@ def _check_and_materialize(
             # Ranks of a node read at once: share its cores rather than oversubscribe them.
             on_node = next(len(ranks) for ranks in choice.nodes if group_rank in ranks)
             threads = max(1, worker_threads() // on_node)
-        local.source = as_source(path, options.read_mode, threads, options.drop_cache)
+        local.source = as_source(path, options.read_mode, threads, options.drop_cache, options.direct_io)
         check_same_table(local.source, meta.table)

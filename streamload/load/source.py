@@ -132,6 +132,7 @@ def open_source(
     threads: int | None = None,
     extra: Any = None,
     drop_cache: bool = False,
+    direct_io: bool | None = None,
 ) -> OpenedSource:
     """Collective: the reader opens the checkpoint and broadcasts its table (or its error).
 
@@ -151,7 +152,7 @@ def open_source(
         try:
             if path is None:
                 raise StreamloadError("the reader rank was given no checkpoint", rank=rank)
-            ckpt = as_source(path, read_mode, threads, drop_cache)
+            ckpt = as_source(path, read_mode, threads, drop_cache, direct_io)
             table = {t.name: (t.dtype, t.shape, t.file) for t in ckpt.tensors}
             payload = SourceMeta(
                 table,

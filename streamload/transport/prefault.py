@@ -8,18 +8,20 @@ the start; ``madvise(MADV_POPULATE_WRITE)`` on a helper thread takes those fault
 during the waits instead of inside the unpack and pack copies. It never changes a
 byte: it faults pages in writable "as if written" without writing, so it is safe
 while the pipeline writes into the same pages (Linux >= 5.14; elsewhere ``madvise``
-answers ``EINVAL`` and nothing happens). ``STREAMLOAD_PREFAULT=0`` turns it off.
+answers ``EINVAL`` and nothing happens). ``load_checkpoint(prefault=False)`` turns it off
+(``STREAMLOAD_PREFAULT=0`` where the keyword is not given).
 """
 
 from __future__ import annotations
 
 import ctypes
-import os
 import threading
 from collections.abc import Sequence
 from typing import Any
 
 import torch
+
+from ..options import env_flag
 
 MADV_POPULATE_WRITE = 23  # linux/mman.h
 PAGE = 4096
@@ -62,12 +64,17 @@ def page_ranges(tensors: Sequence[torch.Tensor]) -> list[tuple[int, int]]:
     return merged
 
 
-def prefault(tensors: Sequence[torch.Tensor]) -> threading.Thread | None:
+def prefault(tensors: Sequence[torch.Tensor], enabled: bool | None = None) -> threading.Thread | None:
     """Starts faulting in the tensors' pages on a daemon thread; returns it (join before
     the memory may be freed), or None when there is nothing to do or it is turned off.
 
     Only for anonymous memory the caller is about to write (fresh shards): on a private
     file mapping it would copy every page.
+
+    Args:
+        tensors: the fresh shards.
+        enabled: the load's ``prefault`` keyword (None: not given, then
+            ``STREAMLOAD_PREFAULT`` decides, else on).
 
     Example:
         >>> worker = prefault(local_shards)
@@ -75,7 +82,7 @@ def prefault(tensors: Sequence[torch.Tensor]) -> threading.Thread | None:
         >>> if worker is not None:
         ...     worker.join()
     """
-    if os.environ.get("STREAMLOAD_PREFAULT", "1").strip() == "0":
+    if env_flag("prefault", enabled) is False:
         return None
     ranges = page_ranges(tensors)
     madvise = _libc_madvise() if ranges else None

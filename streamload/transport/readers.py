@@ -35,6 +35,7 @@ import torch
 import torch.distributed as dist
 
 from ..errors import CheckpointFileError
+from ..options import env_text
 from .collectives import all_gather_object
 
 
@@ -129,9 +130,10 @@ def _first_difference(theirs: tuple | None, reference: tuple) -> tuple[str | Non
     return None, "different files"
 
 
-def node_key() -> str:
-    """This process's node: STREAMLOAD_NODE, else torchrun's GROUP_RANK, else the host name."""
-    return os.environ.get("STREAMLOAD_NODE") or os.environ.get("GROUP_RANK") or socket.gethostname()
+def node_key(node: str | None = None) -> str:
+    """This process's node: ``node`` (the load's keyword), else STREAMLOAD_NODE, else torchrun's
+    GROUP_RANK, else the host name."""
+    return env_text("node", node) or os.environ.get("GROUP_RANK") or socket.gethostname()
 
 
 @dataclass
@@ -159,6 +161,7 @@ def choose(
     group: dist.ProcessGroup | None,
     device: torch.device,
     has_source: bool,
+    node: str | None = None,
 ) -> ReaderChoice:
     """Collective: every rank gets the same choice.
 
@@ -168,6 +171,7 @@ def choose(
         src: the group rank of the designated reader.
         has_source: the reader was given an in-memory source (dict or open
             Checkpoint): only ``src`` can then read.
+        node: this process's node id (the load's keyword; see ``node_key``).
     """
     if requested not in MODES:
         raise ValueError(f"readers must be one of {MODES}, not {requested!r}")
@@ -180,7 +184,7 @@ def choose(
         return ReaderChoice(ReaderMode.OWNERS, "requested (single process)", [[0]])
     if world == 1 or requested is ReaderMode.SRC:
         return ReaderChoice(ReaderMode.SRC, "requested" if requested is ReaderMode.SRC else "single process")
-    mine = (node_key(), fingerprint(path), has_source, file_identity(path))
+    mine = (node_key(node), fingerprint(path), has_source, file_identity(path))
     seen = all_gather_object(mine, group, device)
     has_source = bool(seen[src][2])
     keys = [s[0] for s in seen]

@@ -36,6 +36,7 @@ class Shards:
     progress: bool | None
     skip: frozenset[int] = field(default_factory=frozenset)  # targets that need no copy (mapped)
     quant: dict[str, Any] = field(default_factory=dict)  # logical key -> QuantTensor (dequantized on pack)
+    prefault: bool | None = None  # the load's keyword (prefault.py; None: not given)
 
 
 def _progress_bar(total: int, enabled: bool | None) -> Any:
@@ -84,7 +85,7 @@ def scatter(
     status = status or open_status_route(group, device, create=False)
     # Fresh CPU shards (not the mapped ones) are faulted in while the pipeline waits (prefault.py).
     fresh = [t for i, t in enumerate(shards.locals_) if i not in shards.skip] if device.type == "cpu" else []
-    worker = prefault(fresh)
+    worker = prefault(fresh, shards.prefault)
     try:
         peak = _stream(
             plan, row, src_rank, group, device, packer, shards.locals_, slots, shards.progress, status
