@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..errors import CheckpointError
 from ..load.driver import run_load
 from ..load.prepare import LoadOptions
 from ..load.source import compare_tied, open_source, resolve_device, resolve_group
@@ -124,6 +125,13 @@ def keep_quantized_skeleton(model: nn.Module, config: Any) -> None:
 def _read_configs(path: Path) -> dict[str, Any]:
     from transformers import AutoConfig, GenerationConfig
 
+    if path.is_dir() and not (path / "config.json").exists():
+        raise CheckpointError(
+            "no config.json: from_pretrained builds the model from it",
+            str(path),
+            hint="pass the model's full directory (config.json beside the *.safetensors), or build the "
+            "model yourself and call streamload.load_checkpoint(model, DIR)",
+        )
     out: dict[str, Any] = {"config": AutoConfig.from_pretrained(path)}
     if (path / "generation_config.json").exists():
         out["generation_config"] = GenerationConfig.from_pretrained(path)

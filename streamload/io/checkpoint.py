@@ -3,6 +3,7 @@ a directory of shards. Headers are validated natively; nothing is written."""
 
 from __future__ import annotations
 
+import difflib
 import json
 import os
 import stat
@@ -20,6 +21,9 @@ from ..errors import (
     DTypeMismatchError,
     TensorNotFoundError,
     UnsafePathError,
+    missing_file_hint,
+    missing_path_hint,
+    no_safetensors_hint,
 )
 from . import _native, cold
 from .copy_ops import ITEMSIZE, ST_DTYPES, TORCH_DTYPES, OpBatch, can_convert, contiguous_strides
@@ -99,11 +103,11 @@ def _safe_member(root: Path, name: str, where: str) -> Path:
             "(a directory symlink?)",
             str(candidate),
         )
-    _regular_file(candidate)
+    _regular_file(candidate, where)
     return candidate
 
 
-def _regular_file(path: Path) -> None:
+def _regular_file(path: Path, where: str | None = None) -> None:
     """Raises CheckpointFileError unless ``path`` (after symlinks) is a regular file.
 
     Checked before anything opens it: opening a FIFO blocks until a writer comes (a hang,
@@ -113,7 +117,10 @@ def _regular_file(path: Path) -> None:
         st = path.stat()  # follows symlinks: the target is what will be read
     except OSError as exc:
         what = "a dangling symlink" if path.is_symlink() else "missing"
-        raise CheckpointFileError(f"checkpoint file is {what}: {exc.strerror}", str(path)) from None
+        named = f" (named by {where})" if where else ""
+        raise CheckpointFileError(
+            f"checkpoint file is {what}{named}: {exc.strerror}", str(path), hint=missing_file_hint()
+        ) from None
     if not stat.S_ISREG(st.st_mode):
         target = f" (a symlink to {path.resolve()})" if path.is_symlink() else ""
         raise CheckpointFileError(f"not a regular file{target}", str(path))
@@ -132,7 +139,7 @@ def resolve_files(path: str | os.PathLike) -> tuple[list[Path], dict[str, str] |
     if root.is_file():
         return [root], None
     if not root.is_dir():
-        raise CheckpointError("no such checkpoint file or directory", str(root))
+        raise CheckpointError("no such checkpoint file or directory", str(root), hint=missing_path_hint(path))
     index_path = root / INDEX_NAME
     if index_path.exists() or index_path.is_symlink():
         _regular_file(index_path)  # the hub cache links it to a blob too
@@ -155,7 +162,9 @@ def resolve_files(path: str | os.PathLike) -> tuple[list[Path], dict[str, str] |
     for f in files:
         _safe_member(root, f.name, "the checkpoint directory")
     if not files:
-        raise CheckpointError("no .safetensors files in the checkpoint directory", str(root))
+        raise CheckpointError(
+            "no .safetensors files in the checkpoint directory", str(root), hint=no_safetensors_hint(root)
+        )
     return files, None
 
 
@@ -280,7 +289,10 @@ class Checkpoint:
         try:
             return self._table[name]
         except KeyError:
-            raise TensorNotFoundError("not in the checkpoint", str(self.path), name) from None
+            close = difflib.get_close_matches(name, self._table, n=1)
+            near = f"did you mean '{close[0]}'? " if close else ""
+            hint = f"{near}Checkpoint.keys() lists every name"
+            raise TensorNotFoundError("not in the checkpoint", str(self.path), name, hint=hint) from None
 
     @property
     def tensors(self) -> list[TensorInfo]:

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..errors import KeyMismatchError, PlacementError
+from ..errors import KeyMismatchError, PlacementError, key_mismatch_hint, key_mismatch_reason
 from ..io.checkpoint import Checkpoint
 from ..io.copy_ops import worker_threads
 from ..io.sources import Source, as_source
@@ -442,12 +442,12 @@ def _check_and_materialize(
     unexpected = match.unexpected if options.unexpected == "error" else []
     if options.strict and (match.missing or unexpected):
         raise KeyMismatchError(
-            f"{len(match.missing)} missing keys {match.missing[:20]}, "
-            f"{len(unexpected)} unexpected keys {unexpected[:20]}",
+            key_mismatch_reason(match.missing, unexpected),
             file=meta.path,
             rank=rank,
             missing=match.missing,
             unexpected=unexpected,
+            hint=key_mismatch_hint(match.missing, unexpected, meta.path),
         )
     # Shapes and tilings need no allocation: check them before materialising.
     validate_shapes(match.targets, local.table)

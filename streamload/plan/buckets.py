@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from ..errors import DTypeMismatchError, ShapeMismatchError
+from ..errors import DTypeMismatchError, ShapeMismatchError, rebuild_hint
 from ..io.copy_ops import ITEMSIZE, can_convert
 from .regions import Box, SourcePiece, box_numel, check_tiling
 
@@ -193,10 +193,13 @@ def validate_shapes(targets: Sequence[Target], table: dict[str, tuple[str, tuple
                     f"checkpoint shape {list(src_shape)} != model shape {list(t.shape)} for '{t.name}'",
                     file,
                     first,
+                    hint=rebuild_hint(file),
                 )
         why = check_tiling(t.pieces, t.shape, src_shapes)
         if why is not None:
-            raise ShapeMismatchError(f"cannot build '{t.name}' {list(t.shape)}: {why}", file, first)
+            raise ShapeMismatchError(
+                f"cannot build '{t.name}' {list(t.shape)}: {why}", file, first, hint=rebuild_hint(file)
+            )
 
 
 def validate_dtypes(
@@ -221,6 +224,8 @@ def validate_dtypes(
                         f"checkpoint dtype {table[p.key][0]} cannot be cast to the model's {dst} for '{t.name}'",
                         table[p.key][2],
                         p.key,
+                        hint=f"streamload casts only between floating dtypes (and widens fp8): give '{t.name}' "
+                        f"the checkpoint's dtype {table[p.key][0]}, or {rebuild_hint(table[p.key][2])}",
                     )
 
 
