@@ -4,6 +4,9 @@ offload. What needs CUDA itself is in tests/test_gpu.py (marked gpu)."""
 
 from __future__ import annotations
 
+import contextlib
+import threading
+from collections.abc import Iterator
 from types import SimpleNamespace
 from typing import Any
 
@@ -49,35 +52,67 @@ def group():
     g.close()
 
 
-def _stage(stager: Stager, k: int, fill: int) -> torch.Tensor:
-    slot = stager.host(k)
-    slot[:8].fill_(fill)
-    dev = stager.push(k, slot[:8])
-    stager.consumed(k)
-    return dev
+SCHEDULES = [("host", False), ("host", True), ("stream", False), ("stream", True)]
+# The schedule under which each wait's absence shows (see FakeBackend).
+ADVERSARY = {"compute": ("host", False), "slot": ("stream", False), "buffer": ("stream", True)}
+
+
+def _run_stager(backend: FakeBackend, slots: int, buckets: int = 6) -> list[int]:
+    """Stages ``buckets`` buckets of 8 bytes (bucket k holds k + 1) and returns what the consumer
+    of each read on the compute stream (a list of the distinct byte values, -1 for mixed)."""
+    stager = Stager(slots, 64, backend)
+    seen: dict[int, torch.Tensor] = {}
+    try:
+        for k in range(buckets):
+            slot = stager.host(k)
+            slot[:8].fill_(k + 1)
+            dev = stager.push(k, slot[:8])
+            backend.on_compute(lambda k=k, dev=dev: seen.__setitem__(k, dev.clone()))
+            stager.consumed(k)
+    finally:
+        stager.close()
+    return [int(seen[k][0]) if bool((seen[k] == seen[k][0]).all()) else -1 for k in range(buckets)]
+
+
+@pytest.mark.parametrize("compute,eager", SCHEDULES)
+@pytest.mark.parametrize("slots", [1, 2, 3])
+def test_stager_delivers_every_bucket_on_an_asynchronous_device(
+    compute: str, eager: bool, slots: int
+) -> None:
+    backend = FakeBackend(torch.device("cpu"), compute=compute, eager=eager)
+    assert _run_stager(backend, slots) == [1, 2, 3, 4, 5, 6]
+    rec = backend.rec
+    assert rec["violations"] == [] and rec["copies"] == 6 and rec["compute_waits"] == 6, rec
+    assert rec["released"] and rec["unobserved"] == 0 and backend.hosts == []
+
+
+@pytest.mark.parametrize("skip", cases.SKIPS)
+def test_each_wait_of_the_stager_is_needed(skip: str) -> None:
+    """Without any one of its waits, a Stager hands some consumer the wrong bytes."""
+    compute, eager = ADVERSARY[skip]
+    with cases.skipping(skip):
+        got = _run_stager(FakeBackend(torch.device("cpu"), compute=compute, eager=eager), slots=2)
+    assert got != [1, 2, 3, 4, 5, 6], (skip, got)
+    # The same schedule with the wait in place is exact (above, for every schedule).
+    backend = FakeBackend(torch.device("cpu"), compute=compute, eager=eager)
+    assert _run_stager(backend, slots=2) == [1, 2, 3, 4, 5, 6]
 
 
 def test_stager_waits_for_its_own_slot_only() -> None:
-    backend = FakeBackend(torch.device("cpu"))
-    stager = Stager(2, 64, backend)
-    for k in range(6):
-        assert torch.equal(_stage(stager, k, k + 1), torch.full((8,), k + 1, dtype=torch.uint8))
+    backend = FakeBackend(torch.device("cpu"), compute="stream")
+    assert _run_stager(backend, 2) == [1, 2, 3, 4, 5, 6]
     rec = backend.rec
     assert rec["violations"] == [] and rec["copies"] == 6
-    # Bucket k was packed while bucket k-1's copy was still in flight (all but the first).
+    # Bucket k was packed while bucket k-1's copy had not run yet (all but the first).
     assert rec["overlaps"] == 5
-    stager.close()
-    assert rec["released"] and rec["unobserved"] == 0 and stager.hosts == []
 
 
 def test_one_slot_cannot_overlap_and_the_fake_sees_a_slot_repacked_too_early() -> None:
-    backend = FakeBackend(torch.device("cpu"))
-    stager = Stager(1, 64, backend)
-    for k in range(3):
-        _stage(stager, k, k)
+    backend = FakeBackend(torch.device("cpu"), compute="stream")
+    assert _run_stager(backend, 1, buckets=3) == [1, 2, 3]
     assert backend.rec["overlaps"] == 0 and backend.rec["violations"] == []
     # A pipeline that packs into a slot without waiting for its copy is caught.
-    bad = FakeBackend(torch.device("cpu"))
+    bad = FakeBackend(torch.device("cpu"), compute="stream")
     stager = Stager(2, 64, bad)
     stager.push(0, stager.hosts[0][:8])
     stager.consumed(0)
@@ -86,6 +121,29 @@ def test_one_slot_cannot_overlap_and_the_fake_sees_a_slot_repacked_too_early() -
     assert any("repacked" in v for v in bad.rec["violations"]), bad.rec
     stager.close()
     assert any("changed before its copy completed" in v for v in bad.rec["violations"]), bad.rec
+
+
+def test_fake_device_waits_really_wait() -> None:
+    """An event completes only when the worker reaches it, in submission order."""
+    stream = cases.FakeStream("t")
+    order: list[int] = []
+    stream.submit(lambda: order.append(0))
+    first = stream.record()
+    stream.submit(lambda: order.append(1))
+    second = stream.record()
+    assert not first.done and order == []  # lazy: nobody asked yet
+    second.synchronize()
+    assert first.done and order == [0, 1]
+    blocker = threading.Event()
+    eager = cases.FakeStream("e", eager=True)
+    eager.submit(lambda: blocker.wait(10))
+    late = eager.record()
+    assert not late.done  # the worker is stuck on the op before it
+    blocker.set()
+    late.synchronize()
+    assert late.done
+    stream.close()
+    eager.close()
 
 
 def test_stager_refuses_to_overwrite_an_unconsumed_device_buffer() -> None:
@@ -99,24 +157,101 @@ def test_stager_refuses_to_overwrite_an_unconsumed_device_buffer() -> None:
         stager.push(3, torch.zeros(4, dtype=torch.uint8))
 
 
-def test_host_slots_are_page_locked_and_given_back(monkeypatch: pytest.MonkeyPatch) -> None:
-    calls: list[tuple[str, int]] = []
-    fake = SimpleNamespace(
-        cudaHostRegister=lambda ptr, n, flags: calls.append(("register", ptr)) or 0,
-        cudaHostUnregister=lambda ptr: calls.append(("unregister", ptr)) or 0,
-    )
-    monkeypatch.setattr(torch.cuda, "cudart", lambda: fake)
-    backend = CudaBackend.__new__(CudaBackend)  # no stream: only the host side is exercised
-    backend._registered = []
+class FakeCuda:
+    """The torch.cuda entry points CudaBackend uses, on the CPU: each call records the
+    device that is current when it is made (what the CUDA runtime would act on)."""
+
+    def __init__(self, current: int = 0) -> None:
+        self.current = current
+        self.calls: list[tuple[str, int]] = []
+        self.register_error = 0
+
+    def _note(self, what: str) -> None:
+        self.calls.append((what, self.current))
+
+    @contextlib.contextmanager
+    def device(self, device: Any) -> Iterator[None]:
+        prev, self.current = self.current, torch.device(device).index
+        try:
+            yield
+        finally:
+            self.current = prev
+
+    def cudart(self) -> FakeCuda:
+        return self
+
+    def cudaHostRegister(self, ptr: int, nbytes: int, flags: int) -> int:  # noqa: N802 - CUDA's name
+        self._note("cudaHostRegister")
+        return self.register_error
+
+    def cudaHostUnregister(self, ptr: int) -> int:  # noqa: N802 - CUDA's name
+        self._note("cudaHostUnregister")
+        return 0
+
+    def Stream(self, device: Any = None) -> SimpleNamespace:  # noqa: N802 - torch's name
+        self._note("Stream")
+        return self._stream()
+
+    def current_stream(self, device: Any = None) -> SimpleNamespace:
+        self._note("current_stream")
+        return self._stream()
+
+    def _stream(self) -> SimpleNamespace:
+        return SimpleNamespace(
+            wait_event=lambda event: self._note("wait_event"), synchronize=lambda: self._note("synchronize")
+        )
+
+    @contextlib.contextmanager
+    def stream(self, stream: Any) -> Iterator[None]:
+        self._note("stream")
+        yield
+
+    def Event(self) -> SimpleNamespace:  # noqa: N802 - torch's name
+        self._note("Event")
+        return SimpleNamespace(
+            record=lambda stream=None: self._note("record"), synchronize=lambda: self._note("event sync")
+        )
+
+
+@pytest.fixture
+def fake_cuda(monkeypatch: pytest.MonkeyPatch) -> FakeCuda:
+    """torch.cuda faked on the CPU, the current device 0; CudaBackend's device buffers on the CPU."""
+    fake = FakeCuda(current=0)
+    for name in ("device", "cudart", "Stream", "current_stream", "stream", "Event"):
+        monkeypatch.setattr(torch.cuda, name, getattr(fake, name))
+    monkeypatch.setattr(CudaBackend, "device_buffer", lambda self, n: torch.empty(n, dtype=torch.uint8))
+    return fake
+
+
+def test_cuda_backend_runs_on_the_load_device_not_the_current_one(fake_cuda: FakeCuda) -> None:
+    """Registering, unregistering, streams and events all act on the load device (cuda:3)
+    while the caller's current device is 0: none may create a context on GPU 0."""
+    backend = CudaBackend(torch.device("cuda", 3))
+    stager = Stager(2, 4096, backend)
+    for k in range(4):
+        slot = stager.host(k)
+        slot[:8].fill_(k)
+        stager.push(k, slot[:8])
+        stager.consumed(k)
+    stager.close()
+    assert registered_bytes() == 0
+    kinds = {what for what, _ in fake_cuda.calls}
+    assert {"cudaHostRegister", "cudaHostUnregister", "Stream", "Event", "record", "wait_event"} <= kinds
+    assert [c for c in fake_cuda.calls if c[1] != 3] == []
+    assert fake_cuda.current == 0  # the caller's current device is put back
+
+
+def test_host_slots_are_page_locked_and_given_back(fake_cuda: FakeCuda) -> None:
+    backend = CudaBackend(torch.device("cuda", 1))
     bufs = [backend.host_buffer(n) for n in (5000, 1 << 20, 0)]
     assert [b.numel() for b in bufs] == [5000, 1 << 20, 0]
     assert all(b.data_ptr() % PAGE == 0 for b in bufs[:2])
     assert registered_bytes() == 5000 + (1 << 20)
     backend.release()
     assert registered_bytes() == 0
-    registered = sorted(p for op, p in calls if op == "register")
-    assert len(registered) == 2 and registered == sorted(p for op, p in calls if op == "unregister")
-    fake.cudaHostRegister = lambda ptr, n, flags: 2  # cudaErrorMemoryAllocation
+    ops = [what for what, _ in fake_cuda.calls]
+    assert ops.count("cudaHostRegister") == 2 and ops.count("cudaHostUnregister") == 2
+    fake_cuda.register_error = 2  # cudaErrorMemoryAllocation
     with pytest.raises(RuntimeError, match="cudaHostRegister"):
         backend.host_buffer(4096)
     assert registered_bytes() == 0
@@ -139,17 +274,32 @@ def test_cpu_pipelines_do_not_stage() -> None:
     assert open_stager(torch.device("cpu"), 2, 64) is None
 
 
+@pytest.mark.parametrize("eager", [False, True])
 @pytest.mark.parametrize("readers,ws", [("owners", 2), ("owners", 3), ("src", 3)])
-def test_staged_pipeline_reuses_no_slot_early(group: RankGroup, ckpt: str, readers: str, ws: int) -> None:
-    res = group.run(cases.case_fake_stager, ckpt=ckpt, ws=ws, readers=readers)
+def test_staged_pipeline_loads_exactly_on_an_asynchronous_device(
+    group: RankGroup, ckpt: str, readers: str, ws: int, eager: bool
+) -> None:
+    res = group.run(cases.case_fake_stager, ckpt=ckpt, ws=ws, readers=readers, eager=eager)
+    assert all(r["bad"] == [] for r in res[:ws]), res
     stagers = [rec for r in res[:ws] for rec in r["log"]]
     # owners: every rank stages its own buckets; src: the reader alone.
     assert len(stagers) == (ws if readers == "owners" else 1), stagers
     for rec in stagers:
         assert rec["slots"] >= 2, rec
         assert rec["violations"] == [], rec
-        assert rec["copies"] > 2 and rec["overlaps"] >= rec["copies"] - 1, rec
+        # Every staged bucket's consumer waited for its copy (the compute stream is the host here).
+        assert rec["copies"] > 2 and rec["compute_waits"] == rec["copies"], rec
         assert rec["released"] and rec["unobserved"] == 0, rec
+
+
+@pytest.mark.parametrize("readers,ws", [("owners", 2), ("src", 3)])
+def test_staged_pipeline_without_the_copy_wait_loads_wrong_bytes(
+    group: RankGroup, ckpt: str, readers: str, ws: int
+) -> None:
+    """The fake device is asynchronous enough to matter: with the compute stream's wait for
+    each copy taken out of the staging code, the loaded parameters differ."""
+    res = group.run(cases.case_fake_stager, ckpt=ckpt, ws=ws, readers=readers, skip="compute")
+    assert all(r["bad"] for r in res[:ws]), [r["bad"] for r in res[:ws]]
 
 
 @pytest.mark.parametrize("readers,ws,fail", [("owners", 3, 1), ("src", 3, 0)])

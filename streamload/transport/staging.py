@@ -17,7 +17,8 @@ which would drop the whole process's cache.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 from typing import Any, Protocol
 
 import torch
@@ -59,6 +60,8 @@ class Backend(Protocol):
     def compute_waits(self, event: Event) -> None: ...
 
     def record_compute(self) -> Event: ...
+
+    def wait(self, event: Event) -> None: ...
 
     def synchronize(self) -> None: ...
 
@@ -111,7 +114,7 @@ class Stager:
         s = k % self.slots
         event = self.copied[s]
         if event is not None:
-            event.synchronize()
+            self.backend.wait(event)
             self.copied[s] = None
         return self.hosts[s]
 
@@ -149,7 +152,7 @@ class Stager:
         try:
             for event in self.copied:
                 if event is not None:
-                    event.synchronize()
+                    self.backend.wait(event)
             self.backend.synchronize()
         finally:
             self.copied = [None] * self.slots
@@ -157,12 +160,28 @@ class Stager:
             self.backend.release()
 
 
+@contextlib.contextmanager
+def _on(device: torch.device) -> Iterator[None]:
+    """``device`` is the current CUDA device inside the block.
+
+    Runtime calls that take no device (``cudaHostRegister``/``Unregister``, event
+    creation, the current stream) act on the current device; a rank whose load
+    device is not the current one would otherwise create a context on GPU 0.
+    """
+    with torch.cuda.device(device):
+        yield
+
+
 class CudaBackend:
-    """Registered host memory, a dedicated copy stream and CUDA events on ``device``."""
+    """Registered host memory, a dedicated copy stream and CUDA events on ``device``.
+
+    Every call runs with ``device`` current (see ``_on``), whatever the caller's current device.
+    """
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
-        self.stream = torch.cuda.Stream(device)
+        with _on(device):
+            self.stream = torch.cuda.Stream(device)
         self._registered: list[tuple[int, torch.Tensor]] = []
 
     def host_buffer(self, nbytes: int) -> torch.Tensor:
@@ -171,7 +190,8 @@ class CudaBackend:
         start = -raw.data_ptr() % PAGE
         buf = raw[start : start + nbytes]
         if nbytes:
-            err = int(torch.cuda.cudart().cudaHostRegister(buf.data_ptr(), nbytes, 0))
+            with _on(self.device):
+                err = int(torch.cuda.cudart().cudaHostRegister(buf.data_ptr(), nbytes, 0))
             if err != 0:
                 raise RuntimeError(f"cudaHostRegister of {nbytes} staging bytes failed with cudaError {err}")
             self._registered.append((buf.data_ptr(), raw))
@@ -182,7 +202,7 @@ class CudaBackend:
         return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
 
     def copy(self, dst: torch.Tensor, src: torch.Tensor, after: Event) -> Event:
-        with torch.cuda.stream(self.stream):
+        with _on(self.device), torch.cuda.stream(self.stream):
             self.stream.wait_event(after)  # type: ignore[arg-type]
             dst.copy_(src, non_blocking=True)
             event = torch.cuda.Event()
@@ -190,20 +210,29 @@ class CudaBackend:
         return event
 
     def compute_waits(self, event: Event) -> None:
-        torch.cuda.current_stream(self.device).wait_event(event)  # type: ignore[arg-type]
+        with _on(self.device):
+            torch.cuda.current_stream(self.device).wait_event(event)  # type: ignore[arg-type]
 
     def record_compute(self) -> Event:
-        event = torch.cuda.Event()
-        event.record(torch.cuda.current_stream(self.device))
+        with _on(self.device):
+            event = torch.cuda.Event()
+            event.record(torch.cuda.current_stream(self.device))
         return event
 
+    def wait(self, event: Event) -> None:
+        """The host waits for ``event``."""
+        with _on(self.device):
+            event.synchronize()
+
     def synchronize(self) -> None:
-        self.stream.synchronize()
-        torch.cuda.current_stream(self.device).synchronize()
+        with _on(self.device):
+            self.stream.synchronize()
+            torch.cuda.current_stream(self.device).synchronize()
 
     def release(self) -> None:
         registered, self._registered = self._registered, []
-        errors = [int(torch.cuda.cudart().cudaHostUnregister(ptr)) for ptr, _ in registered]
+        with _on(self.device):
+            errors = [int(torch.cuda.cudart().cudaHostUnregister(ptr)) for ptr, _ in registered]
         _REGISTERED["bytes"] -= sum(raw.numel() - PAGE for _, raw in registered)
         del registered  # the plain buffers go back to the OS with their tensors
         if any(errors):
