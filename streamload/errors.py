@@ -260,3 +260,17 @@ def key_mismatch_reason(missing: Sequence[str], unexpected: Sequence[str]) -> st
             f"{len(unexpected)} unexpected keys (in the checkpoint, not in the model): {names(unexpected)}"
         )
     return "; ".join(parts)
+
+
+HF_MODULES = ("transformers", "accelerate", "huggingface_hub")
+
+
+def hf_missing(feature: str, exc: ImportError) -> ImportError:
+    """The ImportError to raise when ``feature`` needs the ``[hf]`` extra and ``exc`` says it is
+    absent; ``exc`` itself when it is about another module (a broken install is not this)."""
+    if (exc.name or "").split(".")[0] not in HF_MODULES:
+        return exc
+    return ModuleNotFoundError(
+        f"{feature} needs transformers and accelerate ({exc})\n  hint: pip install 'streamload[hf]'",
+        name=exc.name,
+    )

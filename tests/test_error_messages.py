@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import pickle
 import shutil
+import sys
 from pathlib import Path
 
 import pytest
@@ -208,3 +209,27 @@ def test_hint_survives_pickling() -> None:
     back = pickle.loads(pickle.dumps(keys))
     assert (back.missing, back.unexpected, back.hint) == (["a"], ["b"], "strict=False")
     assert str(streamload.StreamloadError("no hint")) == "no hint"
+
+
+# -- the lean install (no [hf] extra) ----------------------------------------------
+
+
+def test_from_pretrained_without_transformers_says_install_hf(
+    base: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setitem(sys.modules, "accelerate", None)  # as if never installed
+    with pytest.raises(ImportError, match="needs transformers and accelerate") as err:
+        streamload.from_pretrained(base)
+    assert err.value.name == "accelerate"
+    assert str(err.value).splitlines()[1] == "  hint: pip install 'streamload[hf]'"
+
+
+def test_cli_without_transformers_says_install_hf(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from streamload.tools.cli import main
+
+    monkeypatch.setitem(sys.modules, "transformers", None)
+    assert main(["demo", "--ranks", "1", "--keep", str(tmp_path / "demo")]) == 2
+    err = capsys.readouterr().err
+    assert "transformers" in err and "hint: pip install 'streamload[hf]'" in err

@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..errors import CheckpointError
+from ..errors import CheckpointError, hf_missing
 from ..load.driver import run_load
 from ..load.prepare import LoadOptions
 from ..load.source import compare_tied, open_source, resolve_device, resolve_group
@@ -175,8 +175,11 @@ def from_pretrained(
     Example:
         >>> model = streamload.from_pretrained("/ckpt", dtype=torch.float32)
     """
-    from accelerate import init_empty_weights
-    from transformers import AutoModelForCausalLM
+    try:
+        from accelerate import init_empty_weights
+        from transformers import AutoModelForCausalLM
+    except ImportError as exc:
+        raise hf_missing("streamload.from_pretrained", exc) from exc
 
     group = resolve_group(None, device_mesh)
     rank = dist.get_rank() if group is not None else 0

@@ -97,13 +97,18 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the `streamload` command."""
-    from ..errors import StreamloadError
+    from ..errors import HF_MODULES, StreamloadError
 
     args = build_parser().parse_args(argv)
     try:
         return int(args.func(args))
     except StreamloadError as exc:
         print(f"streamload: error: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 2
+    except ImportError as exc:
+        if (exc.name or "").split(".")[0] not in HF_MODULES:
+            raise
+        print(f"streamload: error: {exc}\n  hint: pip install 'streamload[hf]'", file=sys.stderr)
         return 2
 
 
