@@ -1,24 +1,18 @@
-"""Cold loads read four ways, interleaved: buffered reads whose plain copies land in
-their destinations (the default), the same with the one reader of ``src`` reading front to
-back through the kernel's readahead (opt-in), buffered reads through the read buffers, and
-O_DIRECT.
+"""Cold loads read two ways, interleaved: buffered reads whose plain copies land in their
+destinations (the default), and O_DIRECT.
 
-Each variant's ranks are started with the variables of ``VARIANTS``:
+Each variant is a ``load_checkpoint`` keyword (``VARIANTS``), passed to the strategy as the
+bench passes ``streamload bench --options``:
 
-- ``in_place``: buffered (``STREAMLOAD_DIRECT_IO=0``, what a load without ``drop_cache``
-  does by default); plain copies (same dtype, contiguous at both ends) are read straight
-  into the shard or staging slot they fill; every reader asks for its windows with
-  WILLNEED on a descriptor advised RANDOM.
-- ``front_to_back``: as ``in_place``, but the one reader of ``src`` reads dense chunks
-  front to back through the kernel's readahead (``STREAMLOAD_FRONT_TO_BACK=1``,
-  ``ColdEngine.read_front_to_back``).
-- ``read_buffers``: buffered, every read into the engine's read buffers and copied out of
-  them (``STREAMLOAD_IN_PLACE=0``).
-- ``o_direct``: ``STREAMLOAD_DIRECT_IO=1``.
+- ``buffered``: ``direct_io=False`` (what a load without ``drop_cache`` does by default);
+  plain copies (same dtype, contiguous at both ends) are read straight into the shard or
+  staging slot they fill; every reader asks for its windows with WILLNEED on a descriptor
+  advised RANDOM.
+- ``o_direct``: ``direct_io=True``.
 
-By default one warm rank group per variant (``BenchGroup``: processes started once, the
-model's modules imported before the clock starts) serves every load; ``--fresh`` starts a
-new group for every load instead, as ``streamload bench`` does (first-call costs included).
+By default one warm rank group (``BenchGroup``: processes started once, the model's modules
+imported before the clock starts) serves every load; ``--fresh`` starts a new group for every
+load instead, as ``streamload bench`` does (first-call costs included).
 The variants take turns within each repeat (in reverse order every other repeat, since a load
 can leave the host's cache in a state the next one inherits), so a slow patch of the shared disk
 hits each.
@@ -26,11 +20,10 @@ Before every load the checkpoint is evicted and checked with mincore (``make_col
 Prints each load, then per variant the median load + first-touch seconds with min-max, the
 median CPU seconds of rank 0 (the reader in ``src``) and of all ranks together, and each
 variant's median over the first variant's. A buffered read costs a kernel copy per byte
-that O_DIRECT does not, and a read through the buffers one more copy: the CPU columns show
-what the wall time buys.
+that O_DIRECT does not: the CPU columns show what the wall time buys.
 
     python benchmarks/bench_direct_io.py CKPT --ranks 2 4 --repeat 6 [--fresh] \
-        [--strategy streamload] [--variants in_place front_to_back read_buffers o_direct]
+        [--strategy streamload] [--variants buffered o_direct]
 
 ``--strategy`` is a ``streamload bench`` strategy: ``streamload`` (src: rank 0 reads and
 scatters) or ``streamload_owners`` (every rank reads its own shards).
@@ -43,32 +36,15 @@ import os
 import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from streamload.tools.bench.runner import BenchGroup
 
-VARIANTS: dict[str, dict[str, str]] = {
-    name: {"STREAMLOAD_DIRECT_IO": direct, "STREAMLOAD_IN_PLACE": in_place, "STREAMLOAD_FRONT_TO_BACK": ftb}
-    for name, direct, in_place, ftb in (
-        ("in_place", "0", "1", "0"),
-        ("front_to_back", "0", "1", "1"),
-        ("read_buffers", "0", "0", "0"),
-        ("o_direct", "1", "1", "0"),
-    )
+# Each variant's load_checkpoint keywords.
+VARIANTS: dict[str, dict[str, Any]] = {
+    "buffered": {"direct_io": False},
+    "o_direct": {"direct_io": True},
 }
-
-
-def _group(world: int, name: str) -> BenchGroup:
-    """A rank group whose processes read as ``name`` says (they inherit the variables)."""
-    saved = {k: os.environ.get(k) for k in VARIANTS[name]}
-    os.environ.update(VARIANTS[name])
-    try:
-        return BenchGroup(world)
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
 
 
 @dataclass
@@ -84,17 +60,17 @@ def run(
     ckpt: str, world: int, repeat: int, strategy: str, variants: Sequence[str], fresh: bool = False
 ) -> dict[str, Loads]:
     """Interleaved cold loads, per variant; ``fresh``: new rank processes for every load."""
-    groups = {} if fresh else {name: _group(world, name) for name in variants}
+    warm = None if fresh else BenchGroup(world)
     out: dict[str, Loads] = {name: Loads() for name in variants}
     try:
         for i in range(repeat):
             # Every other repeat in reverse: each variant follows each other one as often.
             for name in variants if i % 2 == 0 else list(reversed(variants)):
-                group = _group(world, name) if fresh else groups[name]
+                group = warm if warm is not None else BenchGroup(world)
                 try:
-                    r = group.run(strategy, ckpt, verify=i == 0, cold=True)
+                    r = group.run(strategy, ckpt, verify=i == 0, cold=True, **VARIANTS[name])
                 finally:
-                    if fresh:
+                    if warm is None:
                         group.close()
                 if not r.ok:
                     raise SystemExit(f"{name}: {r.error}")
@@ -111,8 +87,8 @@ def run(
                     flush=True,
                 )
     finally:
-        for group in groups.values():
-            group.close()
+        if warm is not None:
+            warm.close()
     return out
 
 

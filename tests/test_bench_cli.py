@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 from pathlib import Path
 
@@ -130,3 +131,84 @@ def test_repeats_give_medians_and_spread() -> None:
     unverified = [dict(r, correct=None) for r in runs[1:]]
     assert median_of([dict(runs[0], correct=False), *unverified])["correct"] is False
     assert median_of([runs[0], *unverified])["correct"] is True
+
+
+def test_options_parse_as_load_checkpoint_keywords() -> None:
+    """``--options KEY=VALUE``: keys are load_checkpoint's keywords, values Python literals (a
+    bare word is a string); a bad key, a malformed item or a value of the wrong type is an
+    argparse error that names the keywords or the type."""
+    import pytest
+
+    from streamload.tools.bench.cli import load_option
+    from streamload.tools.bench.strategies import load_keywords
+    from streamload.tools.cli import build_parser
+
+    args = build_parser().parse_args(
+        [
+            "bench",
+            "--options",
+            "direct_io=True",
+            "read_mode=cold",
+            "bucket_bytes=1048576",
+            "--options",
+            "node=None",
+        ]
+    )
+    assert args.options == [
+        ("direct_io", True),
+        ("read_mode", "cold"),
+        ("bucket_bytes", 1048576),
+        ("node", None),
+    ]
+    assert load_option("map_files='auto'") == ("map_files", "auto")
+    assert load_option("mapping={'a.{i}': 'b.{i}'}") == ("mapping", {"a.{i}": "b.{i}"})
+    # What the bench sets itself is not the caller's to pass.
+    assert {"direct_io", "prefault", "node", "read_mode"} <= set(load_keywords())
+    assert not {"readers", "device_mesh", "progress", "src_rank"} & set(load_keywords())
+    for bad, why in [
+        ("dirct_io=True", "not a keyword of streamload.load_checkpoint.*direct_io"),
+        ("readers='owners'", "not a keyword"),
+        ("direct_io", "expected KEY=VALUE"),
+        ("direct_io=ture", "expected None | bool"),
+        ("bucket_bytes=1<<20", "not a Python literal"),
+        ("slots=2.5", "expected int"),
+    ]:
+        with pytest.raises(argparse.ArgumentTypeError, match=why):
+            load_option(bad)
+    with pytest.raises(SystemExit) as exit_:
+        build_parser().parse_args(["bench", "--options", "dirct_io=True"])
+    assert exit_.value.code == 2
+
+
+def test_options_reach_the_streamload_strategy(tmp_path: Path) -> None:
+    """A spawned run: ``--options read_mode=cold`` reaches from_pretrained as a keyword (rank 0's
+    report shows cold reads, which the default warm mmap load never makes) and is recorded."""
+    ckpt = make_checkpoint(
+        tmp_path / "tiny",
+        "qwen2",
+        tie=True,
+        seed=43,
+        layers=1,
+        vocab=61,
+        hidden_size=24,
+        intermediate_size=38,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    )
+    out = tmp_path / "out"
+    argv = [
+        "bench",
+        str(ckpt),
+        "--ranks",
+        "2",
+        "--strategies",
+        "streamload",
+        "--no-verify",
+        "--out",
+        str(out),
+    ]
+    assert main([*argv, "--options", "read_mode=cold", "prefault=False"]) == 0
+    (row,) = [json.loads(line) for line in (out / "runs.jsonl").read_text().splitlines()]
+    assert row["ok"], row["error"]
+    assert row["options"] == {"read_mode": "cold", "prefault": False}
+    assert any(k.startswith("stream.cold") for k in row["phases"]), row["phases"]

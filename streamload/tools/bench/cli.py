@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 import argparse
+import ast
 import json
 import os
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from .cold import cold_table, disk_bandwidth, median_rows
 from .runner import run_strategy
-from .strategies import STRATEGIES
+from .strategies import STRATEGIES, keyword_annotation, load_keywords
 from .table import markdown_table, median_of, write_jsonl
 
 DEFAULT_STRATEGIES = [
@@ -35,6 +37,54 @@ COLD_STRATEGIES = [
 ]
 
 
+def load_option(item: str) -> tuple[str, Any]:
+    """One ``--options`` item, ``KEY=VALUE``: KEY a keyword of ``load_checkpoint`` (see
+    ``load_keywords``), VALUE a Python literal (``ast.literal_eval``: ``True``, ``1048576``,
+    ``'cold'``); a bare word that is no literal (``cold``) is the string.
+
+    Raises:
+        argparse.ArgumentTypeError: no ``=``, a key that is no such keyword (the message lists
+            them), a value that does not parse, or one of the wrong type for a keyword typed
+            ``bool`` or ``int`` (``direct_io=ture`` must not pass for a true string).
+
+    Example:
+        >>> load_option("direct_io=True")
+        ('direct_io', True)
+    """
+    key, sep, raw = item.partition("=")
+    key, raw = key.strip(), raw.strip()
+    if not sep or not key:
+        raise argparse.ArgumentTypeError(f"expected KEY=VALUE, not {item!r}")
+    allowed = load_keywords()
+    if key not in allowed:
+        raise argparse.ArgumentTypeError(
+            f"{key!r} is not a keyword of streamload.load_checkpoint that the bench passes on; "
+            f"one of {', '.join(allowed)} (docs/options.md)"
+        )
+    try:
+        value = ast.literal_eval(raw)
+    except (ValueError, SyntaxError):
+        if not raw.isidentifier():
+            raise argparse.ArgumentTypeError(f"{key}={raw}: not a Python literal") from None
+        value = raw  # read_mode=cold: a bare word is the string
+    typed = set(str(keyword_annotation(key)).replace(" ", "").split("|"))
+    if typed & {"bool", "int"} and typed <= {"bool", "int", "None"}:  # only plain bool/int keywords
+        if value is None:
+            ok = "None" in typed
+        elif isinstance(value, bool):
+            ok = "bool" in typed
+        else:
+            ok = isinstance(value, int) and "int" in typed
+        if not ok:
+            raise argparse.ArgumentTypeError(f"{key}={raw}: expected {' | '.join(sorted(typed))}")
+    return key, value
+
+
+def load_options(items: Sequence[tuple[str, Any]]) -> dict[str, Any]:
+    """The parsed ``--options`` as keywords (a key given twice: the last wins)."""
+    return dict(items)
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "checkpoint", nargs="?", help="checkpoint directory (omit to generate one with --model-type/--gb)"
@@ -53,6 +103,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "measure the disk's sequential read bandwidth in the same run",
     )
     p.add_argument("--read-mode", default=None, help="streamload's read_mode (default: auto)")
+    p.add_argument(
+        "--options",
+        nargs="+",
+        action="extend",
+        type=load_option,
+        default=[],
+        metavar="KEY=VALUE",
+        help="keywords for the streamload strategies' load_checkpoint / from_pretrained, values as "
+        "Python literals, e.g. --options direct_io=True prefault=False (docs/options.md)",
+    )
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--bucket-mib", type=int, default=None)
     p.add_argument("--no-verify", action="store_true", help="skip the correctness pass")
@@ -80,6 +140,12 @@ def run(args: argparse.Namespace) -> int:
     opts: dict[str, Any] = {"bucket_bytes": args.bucket_mib << 20} if args.bucket_mib else {}
     if args.read_mode:
         opts["read_mode"] = args.read_mode
+    keywords = load_options(args.options)
+    opts.update(keywords)  # passed as keywords, never through the environment
+    # Recorded with each run (JSON: scalars as they are, anything else as its repr).
+    given = {
+        k: v if isinstance(v, (bool, int, float, str, type(None))) else repr(v) for k, v in keywords.items()
+    }
     strategies = args.strategies or (COLD_STRATEGIES if args.cold else DEFAULT_STRATEGIES)
     rows: list[dict[str, Any]] = []  # one per strategy and rank count (medians)
     raw: list[dict[str, Any]] = []  # every run
@@ -108,7 +174,8 @@ def run(args: argparse.Namespace) -> int:
                 r = run_strategy(
                     strategy, ckpt, world, dtype=args.dtype, verify=verify, cold=args.cold, **opts
                 )
-                runs[strategy].append({**r.to_dict(), "label": label, "repeat": rep, **extra})
+                row = {**r.to_dict(), "label": label, "repeat": rep, "options": given, **extra}
+                runs[strategy].append(row)
                 status = "ok" if r.ok else f"FAILED ({r.error})"
                 print(
                     f"{label} ranks={world} {strategy}{' cold' if args.cold else ''} #{rep + 1}: {r.seconds:.2f}s"

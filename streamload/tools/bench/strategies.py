@@ -7,6 +7,7 @@ transformers."""
 from __future__ import annotations
 
 import importlib
+import inspect
 import os
 import typing
 import warnings
@@ -19,8 +20,36 @@ from torch import nn
 
 from ...integrations.pretrained import default_shard_fn, meta_model
 
-# Options the bench passes through to streamload.
-_STREAMLOAD_OPTS = ("bucket_bytes", "read_mode", "drop_cache")
+# load_checkpoint's keywords that the bench sets itself: the model, the mesh, who reads
+# (the strategy's name says: rank 0 reads) and the progress bar (off while timing).
+BENCH_SETS = frozenset({"model", "path", "src_rank", "process_group", "device_mesh", "readers", "progress"})
+
+
+def load_keywords() -> list[str]:
+    """The keywords of ``streamload.load_checkpoint`` a bench run may pass to the streamload
+    strategies (``streamload bench --options``): every keyword but those in ``BENCH_SETS``.
+
+    Example:
+        >>> "direct_io" in load_keywords()
+        True
+    """
+    from ...load.driver import load_checkpoint
+
+    params = inspect.signature(load_checkpoint).parameters.values()
+    return [p.name for p in params if p.kind is p.KEYWORD_ONLY and p.name not in BENCH_SETS]
+
+
+def keyword_annotation(name: str) -> str:
+    """``load_checkpoint``'s annotation of keyword ``name``, as written (e.g. ``"bool | None"``)."""
+    from ...load.driver import load_checkpoint
+
+    return str(inspect.signature(load_checkpoint).parameters[name].annotation)
+
+
+def _load_kw(opts: dict[str, Any]) -> dict[str, Any]:
+    """The run's options that are load_checkpoint keywords (the rest are the bench's own)."""
+    names = set(load_keywords())
+    return {k: v for k, v in opts.items() if k in names}
 
 
 def quiet_from_pretrained(ckpt: str, dtype: torch.dtype, **kw: Any) -> nn.Module:
@@ -38,7 +67,7 @@ def quiet_from_pretrained(ckpt: str, dtype: torch.dtype, **kw: Any) -> nn.Module
 def load_streamload(ckpt: str, mesh: Any, dtype: torch.dtype, opts: dict[str, Any]) -> nn.Module:
     import streamload
 
-    kw = {k: opts[k] for k in _STREAMLOAD_OPTS if k in opts}
+    kw = _load_kw(opts)
     path = ckpt if dist.get_rank() == 0 else "/nonexistent"  # only the reader needs the files
     return streamload.from_pretrained(path, device_mesh=mesh, dtype=dtype, progress=False, **kw)
 
@@ -47,7 +76,7 @@ def load_streamload_owners(ckpt: str, mesh: Any, dtype: torch.dtype, opts: dict[
     """Every rank reads its own shards (readers="owners"): no transport."""
     import streamload
 
-    kw = {k: opts[k] for k in (*_STREAMLOAD_OPTS, "map_files") if k in opts}
+    kw = _load_kw(opts)
     return streamload.from_pretrained(
         ckpt, device_mesh=mesh, dtype=dtype, progress=False, readers="owners", **kw
     )
@@ -66,7 +95,7 @@ def load_streamload_auto(ckpt: str, mesh: Any, dtype: torch.dtype, opts: dict[st
     """Every rank is given the path; streamload picks the reader mode."""
     import streamload
 
-    kw = {k: opts[k] for k in _STREAMLOAD_OPTS if k in opts}
+    kw = _load_kw(opts)
     return streamload.from_pretrained(
         ckpt, device_mesh=mesh, dtype=dtype, progress=False, readers="auto", **kw
     )
