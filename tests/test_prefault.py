@@ -36,8 +36,22 @@ def test_prefault_populates_fresh_memory_without_changing_it(monkeypatch: pytest
     populated = _resident(fresh)
     if populated < 0.99:
         pytest.skip(f"MADV_POPULATE_WRITE not supported here (resident {populated:.0%})")
+
+
+def test_prefault_keyword_and_its_override(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``prefault=False`` turns it off; not given, STREAMLOAD_PREFAULT=0 does; a keyword passed
+    explicitly wins over the variable."""
+    monkeypatch.delenv("STREAMLOAD_PREFAULT", raising=False)
+    shard = torch.empty(1 << 20, dtype=torch.uint8)
+    assert prefault([shard], False) is None
+    on = prefault([shard])
+    assert on is not None
+    on.join(30)
     monkeypatch.setenv("STREAMLOAD_PREFAULT", "0")
-    assert prefault([torch.empty(1 << 20, dtype=torch.uint8)]) is None
+    assert prefault([shard]) is None
+    forced = prefault([shard], True)
+    assert forced is not None
+    forced.join(30)
 
 
 def test_page_ranges_merge_and_skip_empty() -> None:
