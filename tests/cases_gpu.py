@@ -452,3 +452,68 @@ def case_offload_placement(rank: int, world: int, *, ckpt: str) -> dict:
     }
     buffers = {b.device.type for b in offloaded.buffers()}
     return {"params": params, "buffers": sorted(buffers), "detects": offloads_to_cpu(unoffloaded)}
+
+
+def _sharded_meta_model(ckpt: str, mesh: Any) -> Any:
+    from torch.distributed.fsdp import fully_shard
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from streamload.model.state import rebind_ties, record_state
+
+    config = AutoConfig.from_pretrained(ckpt)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=config.dtype)
+    rebind_ties(model, record_state(model).ties)
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model
+
+
+def _record_device(model: Any, device: torch.device) -> None:
+    """As if ``fully_shard`` had run with ``device`` current (FSDP2's private state)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module._get_fsdp_state()._device = device
+
+
+def case_fsdp_device(rank: int, world: int, *, ckpt: str) -> dict:
+    """The device FSDP2 recorded decides where a meta model is materialised; a load whose
+    device differs (on one rank only) raises on every rank, naming both devices there."""
+    from types import SimpleNamespace
+
+    from streamload.load.source import resolve_device
+    from streamload.model.state import check_fsdp_device, fsdp_device
+
+    mesh = mesh_for(world)
+    model = _sharded_meta_model(ckpt, mesh)
+    out: dict[str, Any] = {"recorded": str(fsdp_device(model))}  # also the guard on FSDP2's private state
+    _record_device(model, torch.device("cuda", 2))
+    real_current = torch.cuda.current_device
+    torch.cuda.current_device = lambda: 0  # type: ignore[assignment]
+    try:
+        # Not the current device (0): the one fully_shard recorded.
+        out["resolved"] = str(resolve_device(model, SimpleNamespace(device_type="cuda"), None))
+        bound = SimpleNamespace(bound_device_id=torch.device("cuda", 5))
+        out["resolved_bound"] = str(resolve_device(model, SimpleNamespace(device_type="cuda"), bound))  # type: ignore[arg-type]
+    finally:
+        torch.cuda.current_device = real_current  # type: ignore[assignment]
+    try:
+        check_fsdp_device(model, torch.device("cuda", 5))
+        out["check"] = "passed"
+    except streamload.PlacementError as exc:
+        out["check"] = str(exc)
+    # A real load on the CPU mesh where rank 1's model says fully_shard ran on cuda:1.
+    model = _sharded_meta_model(ckpt, mesh)
+    if rank == 1:
+        _record_device(model, torch.device("cuda", 1))
+    t0 = time.perf_counter()
+    try:
+        streamload.load_checkpoint(model, ckpt, device_mesh=mesh, progress=False)
+        out["load"] = "loaded"
+    except streamload.StreamloadError as exc:
+        out["load"] = f"{type(exc).__name__}: {exc}"
+    out["load_s"] = time.perf_counter() - t0
+    return out

@@ -383,3 +383,17 @@ def test_offload_materialisation_splits_params_and_buffers(group: RankGroup, ckp
         assert r["params"] == {"DTensor": "cpu"}, r
         assert r["buffers"] == ["meta"], r
         assert r["detects"] is False, r
+
+
+def test_meta_model_is_materialised_where_fully_shard_recorded(group: RankGroup, ckpt: str) -> None:
+    res = group.run(cases.case_fsdp_device, ckpt=ckpt)
+    for rank, r in enumerate(res):
+        assert r["recorded"] == "cpu", r  # fails loudly if torch renames FSDP2's recorded device
+        assert r["resolved"] == "cuda:2", r  # not current_device() (0)
+        assert r["resolved_bound"] == "cuda:5", r  # collectives on the bound device ...
+        assert "fully_shard recorded cuda:2" in r["check"] and "runs on cuda:5" in r["check"], (
+            r
+        )  # ... refused
+        assert r["load"] != "loaded" and r["load_s"] < 60, r
+        if rank == 1:
+            assert r["load"].startswith("PlacementError") and "fully_shard recorded cuda:1" in r["load"], r

@@ -34,6 +34,7 @@ from ..model.specs import (
 )
 from ..model.state import (
     ModelState,
+    check_fsdp_device,
     get_tensor,
     ignore_patterns,
     is_meta,
@@ -460,6 +461,7 @@ def _check_and_materialize(
         filled = {t.name for t in match.targets}
         uncovered = [n for n in state.targets() if n not in filled]
         saved = snapshot_real(model, uncovered)
+        check_fsdp_device(model, device)
         if offloads_to_cpu(model):  # FSDP2 CPU offload: the shards live on the CPU
             materialize_offloaded(model, device)
         else:

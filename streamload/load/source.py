@@ -12,7 +12,7 @@ from torch import nn
 
 from ..errors import CheckpointError, StreamloadError
 from ..io.sources import Source, as_source
-from ..model.state import ModelState, local_tensor
+from ..model.state import ModelState, fsdp_device, local_tensor
 from ..plan.convert import FALLBACK_PREFIX, Table
 from ..transport.collectives import broadcast_object
 from ..transport.protocol import portable
@@ -60,8 +60,9 @@ def resolve_device(model: nn.Module, device_mesh: Any, group: dist.ProcessGroup 
     Its type comes from the mesh, else the model's parameters, else the backend. Its index
     (never blindly ``current_device()``, which is 0 when the caller never called
     ``set_device``) comes from a tensor the model already holds on that device, else the
-    group's bound device (``init_process_group(device_id=...)``), else the current device,
-    which is what ``fully_shard`` itself recorded for a meta model.
+    group's bound device (``init_process_group(device_id=...)``), else the device
+    ``fully_shard`` recorded (``fsdp_device``), else the current device. A meta model is
+    materialised on it only where it is the recorded one (``check_fsdp_device``).
     """
     dev_type = getattr(device_mesh, "device_type", None)
     if dev_type is None:
@@ -85,7 +86,10 @@ def resolve_device(model: nn.Module, device_mesh: Any, group: dist.ProcessGroup 
     for g in (group, dist.group.WORLD if dist.is_available() and dist.is_initialized() else None):
         bound = getattr(g, "bound_device_id", None)
         if isinstance(bound, torch.device) and bound.type == dev_type:
-            return bound
+            return bound  # collectives must run there; a different recorded device is refused later
+    recorded = fsdp_device(model)
+    if recorded is not None and recorded.type == dev_type:
+        return recorded  # where FSDP2 all-gathers, whatever is current now
     return torch.device(dev_type, getattr(torch, dev_type).current_device())
 
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from ..errors import PlacementError, TieError
+from ..errors import ModelMismatchError, PlacementError, TieError
 from ..io.copy_ops import ST_DTYPES
 from ..plan.buckets import Placement
 from .hf import init_buffers_like_from_pretrained
@@ -145,6 +145,69 @@ def local_placement(t: torch.Tensor, name: str = "") -> Placement:
             return Placement(parts[0][0], dtype)
         return Placement(tuple((0, 0) for _ in t.shape), dtype, parts)
     return Placement(tuple((0, int(s)) for s in t.shape), dtype)
+
+
+def fsdp_device(model: nn.Module) -> torch.device | None:
+    """The device ``fully_shard`` recorded for ``model`` (None when no module is sharded).
+
+    FSDP2 records ``current_device()`` of the mesh's device type when ``fully_shard``
+    runs and all-gathers there; it offers no public getter, so this reads its state
+    (``FSDPModule._get_fsdp_state()._device``). tests/test_gpu_path.py fails when torch
+    renames it, and a load raises ModelMismatchError rather than guess.
+
+    Raises:
+        ModelMismatchError: torch no longer has the attribute.
+        PlacementError: the model's sharded modules recorded different devices.
+
+    Example:
+        >>> fully_shard(model, mesh=init_device_mesh("cpu", (2,)))
+        >>> fsdp_device(model)
+        device(type='cpu')
+    """
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # a torch without FSDP2 records nothing
+        return None
+    found: dict[str, torch.device] = {}
+    for name, module in model.named_modules():
+        if not isinstance(module, FSDPModule):
+            continue
+        try:
+            device = module._get_fsdp_state()._device
+        except AttributeError as exc:
+            raise ModelMismatchError(
+                f"cannot read the device FSDP2 recorded on torch {torch.__version__} ({exc}); "
+                "streamload needs updating for this torch"
+            ) from exc
+        if not isinstance(device, torch.device):
+            raise ModelMismatchError(f"FSDP2's recorded device is {device!r} on torch {torch.__version__}")
+        found.setdefault(str(device), device)
+        if len(found) > 1:
+            raise PlacementError(
+                f"fully_shard recorded different devices for one model ({sorted(found)}, the last for "
+                f"'{name or '<root>'}'): it records the current device when it runs, so set it once first"
+            )
+    return next(iter(found.values()), None)
+
+
+def check_fsdp_device(model: nn.Module, device: torch.device) -> None:
+    """Refuses to materialise a ``fully_shard``-ed meta model away from the device FSDP2 recorded.
+
+    FSDP2 all-gathers on the device it recorded at ``fully_shard`` time (the current
+    device then), so shards materialised anywhere else (e.g. on the process group's
+    bound device after ``fully_shard`` ran with another device current) would break
+    its first forward.
+
+    Raises:
+        PlacementError: naming both devices and the fix.
+    """
+    recorded = fsdp_device(model)
+    if recorded is not None and recorded != device:
+        raise PlacementError(
+            f"fully_shard recorded {recorded} for this model (the current device when it ran), but the load "
+            f"runs on {device} (the model's tensors, else the process group's bound device): call "
+            f"torch.{device.type}.set_device({device}) before fully_shard, or bind the group to {recorded}"
+        )
 
 
 def materialize(model: nn.Module, device: torch.device) -> None:
