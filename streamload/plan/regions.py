@@ -14,6 +14,8 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
+from ..errors import MappingError
+
 Box = tuple[tuple[int, int], ...]  # [start, stop) per dim, global coordinates
 
 
@@ -97,10 +99,35 @@ def regions_for_box(pieces: Sequence[SourcePiece], box: Box) -> Iterator[SourceR
         )
 
 
+def find_overlap(pieces: Sequence[SourcePiece]) -> tuple[SourcePiece, SourcePiece, Box] | None:
+    """Two pieces that place bytes in the same destination elements, and where; None if none do.
+
+    A sweep along dim 0 compares each piece only with those whose dim-0 span is still
+    open, so stacked experts (one row each) cost about one comparison per piece.
+    """
+    order = sorted((p for p in pieces if box_numel(p.dst_box) > 0), key=lambda p: p.dst_start)
+    open_: list[SourcePiece] = []
+    for p in order:
+        lo = p.dst_start[0] if p.dst_start else 0
+        open_ = [q for q in open_ if not q.dst_start or q.dst_start[0] + q.shape[0] > lo]
+        for q in open_:
+            both = intersect(q.dst_box, p.dst_box)
+            if both is not None:
+                return q, p, both
+        open_.append(p)
+    return None
+
+
 def check_tiling(
     pieces: Sequence[SourcePiece], shape: Sequence[int], src_shapes: dict[str, tuple[int, ...]]
 ) -> str | None:
-    """Returns why ``pieces`` do not tile ``shape`` exactly, or None when they do."""
+    """Returns why ``pieces`` do not tile ``shape`` exactly, or None when they do.
+
+    Raises:
+        MappingError: two pieces cover the same destination elements. The piece
+            written last would win there, and the element count could still add
+            up, leaving a hole elsewhere that keeps ``to_empty``'s bytes.
+    """
     full = tuple((0, int(s)) for s in shape)
     total = 0
     for p in pieces:
@@ -116,6 +143,14 @@ def check_tiling(
             elif not (0 <= p.src_start[s] and p.src_start[s] + p.shape[d] <= src[s]):
                 return f"piece reads outside '{p.key}' {list(src)} along dim {s}"
         total += box_numel(p.dst_box)
+    both = find_overlap(pieces)
+    if both is not None:
+        first, second, where = both
+        raise MappingError(
+            f"pieces from '{first.key}' and '{second.key}' both fill destination box "
+            f"{[list(r) for r in where]} of {list(shape)}: a conversion's pieces must not overlap",
+            tensor=first.key,
+        )
     want = box_numel(full)
     if total != want:
         return f"sources cover {total} of {want} elements"
