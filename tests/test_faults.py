@@ -30,6 +30,7 @@ EXPECTED = {
     "missing_tensor": ("KeyMismatchError", "KeyMismatchError", None),
     "wrong_shape_in_config": ("ShapeMismatchError", "ShapeMismatchError", None),
     "index_path_escape": ("UnsafePathError", "UnsafePathError", 0),
+    "missing_shard": ("CheckpointFileError", "CheckpointFileError", 0),
     "src_raise_bucket": ("CheckpointFileError", "CheckpointFileError", 0),
     "src_interrupt": ("KeyboardInterrupt", "RemoteRankError", 0),
     "receiver_raise": ("RuntimeError", "RemoteRankError", 2),
@@ -81,6 +82,7 @@ def _make_cases(root: Path) -> dict[str, Path]:
     data = bytearray(f.read_bytes())
     data[8:24] = b'{"x": {{{{{{{{{{'
     f.write_bytes(bytes(data))
+    _shards(cases["missing_shard"])[1].unlink()  # an interrupted download
     f = _shards(cases["header_len_beyond_file"])[0]
     data = bytearray(f.read_bytes())
     data[:8] = struct.pack("<Q", len(data) + 4096)
@@ -167,15 +169,26 @@ def test_every_rank_raises_named_error(fault_run, fault: str) -> None:
         if failing is not None and row["raised"] not in ("RuntimeError", "KeyboardInterrupt"):
             # Named errors carry the failing rank (its own re-raised exception need not).
             assert row["error_rank"] == failing, (fault, rank, row)
-    if fault in ("truncated_shard", "corrupt_header", "header_len_beyond_file", "index_path_escape"):
+    if fault in (
+        "truncated_shard",
+        "corrupt_header",
+        "header_len_beyond_file",
+        "index_path_escape",
+        "missing_shard",
+    ):
         assert all(row["file"] and fault in row["file"] for row in rows.values()), rows
     if fault == "missing_tensor":
         assert "model.norm.weight" in rows[1]["message"]
+        assert all("hint: pass strict=False" in row["message"] for row in rows.values()), rows
+    if fault == "missing_shard":  # the reader's error, hint included, pickled to the others
+        assert all("hint: the download is incomplete" in row["message"] for row in rows.values()), rows
+        assert all(row["message"] == rows[0]["message"] for row in rows.values()), rows
     if fault == "owners_mismatched_copy":
         assert all("ranks [2] do not see the same files" in row["message"] for row in rows.values()), rows
         assert all(row["file"].endswith(".safetensors") for row in rows.values()), rows
     if fault == "wrong_shape_in_config":
         assert all(row["tensor"] and "mlp" in row["tensor"] for row in rows.values()), rows
+        assert all("own config.json" in row["message"] for row in rows.values()), rows
 
 
 def test_no_process_left_and_checkpoints_unchanged(fault_run) -> None:
