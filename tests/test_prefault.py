@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import ctypes
+import threading
+from pathlib import Path
 
 import pytest
 import torch
@@ -61,3 +63,37 @@ def test_page_ranges_merge_and_skip_empty() -> None:
     assert not rest
     assert a <= base.data_ptr() < a + PAGE and b >= base.data_ptr() + base.numel()
     assert page_ranges([]) == []
+
+
+@pytest.mark.parametrize(
+    ("keyword", "env", "asked"), [(None, None, None), (False, None, False), (None, "0", None)]
+)
+def test_the_load_passes_its_prefault_keyword_on(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, keyword: bool | None, env: str | None, asked: bool | None
+) -> None:
+    """``load_checkpoint(prefault=...)`` reaches the pipeline's prefault call as given (None:
+    not given, which is where STREAMLOAD_PREFAULT then decides); the load is right either way."""
+    from safetensors.torch import save_file
+    from torch import nn
+
+    import streamload
+    import streamload.transport.stream as stream
+
+    if env is None:
+        monkeypatch.delenv("STREAMLOAD_PREFAULT", raising=False)
+    else:
+        monkeypatch.setenv("STREAMLOAD_PREFAULT", env)
+    weights = {"weight": torch.randn(6, 4), "bias": torch.randn(6)}
+    save_file(weights, str(tmp_path / "model.safetensors"))
+    seen: list[bool | None] = []
+    real = stream.prefault
+
+    def spy(tensors: list[torch.Tensor], enabled: bool | None = None) -> threading.Thread | None:
+        seen.append(enabled)
+        return real(tensors, enabled)
+
+    monkeypatch.setattr(stream, "prefault", spy)
+    model = nn.Linear(4, 6)
+    streamload.load_checkpoint(model, tmp_path, progress=False, prefault=keyword)
+    assert seen == [asked]
+    assert torch.equal(model.weight, weights["weight"]) and torch.equal(model.bias, weights["bias"])
