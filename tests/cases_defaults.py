@@ -139,21 +139,34 @@ def case_mapped_storage(rank: int, world: int, *, ckpt: str, map_files: bool | s
 
 
 def case_mapped_policy(rank: int, world: int, *, ckpt: str) -> dict | None:
-    """map_files="auto" (the default): trainable parameters are copies, frozen ones are mapped."""
+    """map_files="auto" (the default): trainable parameters are copies, frozen ones are mapped
+    from files this process cannot write (a read-only mount, simulated: the ranks run as whoever
+    runs the tests) and copied from writable ones (tests/test_mapped_writable.py: real permissions)."""
+    from unittest import mock
+
     from transformers import AutoConfig, AutoModelForCausalLM
 
     mesh = mesh_for(world)
     trained = streamload.from_pretrained(ckpt, device_mesh=mesh, progress=False, readers="owners")
     config = AutoConfig.from_pretrained(ckpt)
-    with torch.device("meta"):
-        frozen = AutoModelForCausalLM.from_config(config, dtype=config.dtype)
-    frozen.requires_grad_(False)
-    _shard(frozen, mesh)
-    report = streamload.load_checkpoint(frozen, ckpt, device_mesh=mesh, progress=False, readers="owners")
+    frozen = []
+    for read_only in (True, False):
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config, dtype=config.dtype)
+        model.requires_grad_(False)
+        _shard(model, mesh)
+        with mock.patch("streamload.model.mapped.os.access", lambda path, mode, w=not read_only: w):
+            report = streamload.load_checkpoint(
+                model, ckpt, device_mesh=mesh, progress=False, readers="owners"
+            )
+        frozen.append((model, report))
     ref = reference(ckpt, None)
     return {
         "trained_mapped": trained.streamload_report.bytes_mapped,
-        "frozen_mapped": report.bytes_mapped,
-        "payload": report.payload_bytes,
-        "bad": compare_model(trained, ref) + compare_model(frozen, ref),
+        "frozen_mapped": frozen[0][1].bytes_mapped,
+        "writable_mapped": frozen[1][1].bytes_mapped,
+        "payload": frozen[0][1].payload_bytes,
+        "bad": compare_model(trained, ref)
+        + compare_model(frozen[0][0], ref)
+        + compare_model(frozen[1][0], ref),
     }

@@ -122,5 +122,6 @@ def test_default_maps_only_what_no_optimizer_writes(group: RankGroup, ckpts) -> 
     for r in res:
         assert r["bad"] == [], r["bad"]
         assert r["trained_mapped"] == 0, r  # requires_grad=True: private copies
-    # Frozen: most of the payload (every even row range of the file) is mapped views, all ranks together.
+        assert r["writable_mapped"] == 0, r  # frozen, but a save into the files would reach them
+    # Frozen, read-only files: most of the payload (every even row range of the file) is mapped views.
     assert sum(r["frozen_mapped"] for r in res) > res[0]["payload"] // 2, res

@@ -85,9 +85,11 @@ def load_checkpoint(
             tensor in the parameter's dtype can become a copy-on-write view of the file (owning exactly
             its bytes) rather than a copy; the file is never written. "auto" (the default): only tensors
             no optimizer writes (``requires_grad=False``: frozen weights, buffers), since a first in-place
-            update of a mapped page costs a copy-on-write fault; True: every mappable shard (inference);
-            False: private copies only (choose it if the files may be rewritten in place while the model
-            lives).
+            update of a mapped page costs a copy-on-write fault, and only from files this process cannot
+            write (``os.access(W_OK)`` false: read-only files, a read-only mount; as root, only a read-only
+            mount), since a save into the checkpoint while the model lives (``save_pretrained`` into the
+            directory it was loaded from) would change mapped weights or unmap them (SIGBUS); True: every
+            mappable shard, writable files too (inference); False: private copies only.
         quantized: for a quantized checkpoint (``quantization_config`` fp8 with ``weight_block_size``,
             or mxfp4; FP8 weights with ``weight_scale_inv`` siblings are detected without one):
             "dequantize" (default) writes ``values x scales`` into each rank's floating-point shard on

@@ -78,7 +78,9 @@ MAP_FILES = (True, False, "auto")
 
 def mapping_policy(map_files: bool | str, tensors: list[torch.Tensor]) -> Callable[[int], bool]:
     """Which targets may become mapped views: all (True) or, under "auto", those
-    no optimizer writes (``requires_grad=False``: frozen weights, buffers).
+    no optimizer writes (``requires_grad=False``: frozen weights, buffers) - and
+    under "auto" only from files this process cannot write (``map_shards``'
+    ``copy_writable``: a save into the checkpoint would change mapped weights).
 
     Why "auto" copies trainable parameters: the first in-place update of a
     mapped page is a copy-on-write fault, and load plus first step measured
@@ -364,6 +366,7 @@ def _plan_and_map(
                 ckpt,
                 model,
                 mapping_policy(options.map_files, local.tensors),
+                copy_writable=options.map_files == "auto",
             )
             if mapped.ranges and ckpt.read_mode == "cold":
                 # Views of cold files would fault page by page at first touch: read them in now.

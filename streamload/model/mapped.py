@@ -9,14 +9,22 @@ when first touched and are the page cache's own (shared by every rank that
 holds the same bytes), so nothing anonymous is allocated for them.
 
 The caveat is safetensors' own: rewriting a checkpoint file in place while
-the model lives changes (or, when it shrinks, invalidates) the pages not yet
-written. ``load_checkpoint(..., map_files=False)`` gives private copies instead.
+the model lives changes (or, when it shrinks, invalidates: SIGBUS) the pages
+not yet written - e.g. ``save_pretrained`` into the directory the model was
+loaded from. So ``map_files="auto"`` maps only files this process cannot write
+(``os.access(W_OK)`` is false: read-only files for this user, a read-only
+mount); shards of writable files are copied. Unlinking or renaming a mapped
+file is harmless (the mapping keeps its inode), so the directory's own
+permissions do not matter. ``map_files=True`` maps writable files too;
+``map_files=False`` gives private copies only.
 """
 
 from __future__ import annotations
 
+import logging
 import math
 import mmap
+import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -29,6 +37,7 @@ from ..io.copy_ops import ITEMSIZE, ST_DTYPES, contiguous_strides
 from ..plan.buckets import Target
 from ..plan.regions import Box, regions_for_box
 
+log = logging.getLogger("streamload")
 
 @dataclass
 class MappedShards:
@@ -37,6 +46,7 @@ class MappedShards:
     targets: frozenset[int] = frozenset()
     nbytes: int = 0
     ranges: list[tuple[int, int, int]] = field(default_factory=list)  # (file index, offset, bytes)
+    writable: list[str] = field(default_factory=list)  # files whose shards were copied: writable here
 
 
 def is_contiguous_box(start: Sequence[int], extent: Sequence[int], full: Sequence[int]) -> bool:
@@ -179,6 +189,7 @@ def map_shards(
     ckpt: Checkpoint,
     model: nn.Module,
     want: Callable[[int], bool] = lambda i: True,
+    copy_writable: bool = False,
 ) -> MappedShards:
     """Replaces each mappable local shard by a view of the file.
 
@@ -189,13 +200,27 @@ def map_shards(
         ckpt: the checkpoint this rank reads.
         model: the model (its FSDP2 state is re-pointed at the views).
         want: whether target i may be mapped at all (the ``map_files`` policy).
+        copy_writable: copy shards of files this process may write (``map_files="auto"``):
+            a save into them while the model lives would change or unmap its pages.
 
     Returns:
-        The mapped targets (their segments need no copy) and their bytes.
+        The mapped targets (their segments need no copy), their bytes, and the
+        writable files whose shards were copied.
     """
     out = MappedShards()
     done: set[int] = set()
     managed = fsdp_params(model)
+    writable: dict[int, bool] = {}
+
+    def may_map(index: int) -> bool:
+        if not copy_writable:
+            return True
+        if index not in writable:
+            writable[index] = os.access(ckpt.files[index].path, os.W_OK)
+            if writable[index]:
+                out.writable.append(str(ckpt.files[index].path))
+        return not writable[index]
+
     for i, (target, box, param) in enumerate(zip(targets, boxes, params, strict=True)):
         local = locals_[i]
         if len(done) >= MAX_MAPPINGS:
@@ -205,7 +230,7 @@ def map_shards(
         if not want(i):
             continue
         where = file_range(target, box, local.dtype, ckpt)
-        if where is None or not ckpt.files[where[0]].mapped:
+        if where is None or not ckpt.files[where[0]].mapped or not may_map(where[0]):
             continue
         try:
             view = shard_view(ckpt, where[0], where[1], local)
@@ -218,4 +243,10 @@ def map_shards(
         out.nbytes += local.numel() * local.element_size()
         out.ranges.append((where[0], where[1], local.numel() * local.element_size()))
     out.targets = frozenset(done)
+    if out.writable:
+        log.info(
+            "streamload: map_files='auto' copied the shards of %d checkpoint files this process may write "
+            "(a save into them would change mapped weights); map_files=True maps them anyway",
+            len(out.writable),
+        )
     return out
