@@ -2,8 +2,15 @@
 
 from __future__ import annotations
 
-import pytest
+from pathlib import Path
+from typing import Any
 
+import pytest
+import torch
+from safetensors.torch import save_file
+from torch import nn
+
+import streamload
 from streamload.options import ENV_OVERRIDES, env_flag, env_text
 from streamload.transport.readers import node_key
 
@@ -35,3 +42,23 @@ def test_node_keyword_beats_its_variable_and_torchrun(monkeypatch: pytest.Monkey
     assert node_key("rack-a") == "rack-a"
     monkeypatch.setenv("STREAMLOAD_NODE", "  ")
     assert env_text("node", None) is None and node_key() == "7"
+
+
+@pytest.mark.parametrize("name", ["STREAMLOAD_PREFAULT", "STREAMLOAD_PROGRESS"])
+def test_a_malformed_override_fails_the_load_before_the_stream(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, name: str
+) -> None:
+    """A variable read only once the pipeline runs is checked in prepare, inside the agreement
+    every rank takes part in, so a bad value is an error on every rank, never a rank that
+    raises alone while the others wait in the stream."""
+    import streamload.transport.strategies as strategies
+
+    save_file({"weight": torch.randn(3, 2)}, str(tmp_path / "model.safetensors"))
+
+    def started(*args: Any, **kwargs: Any) -> Any:
+        raise AssertionError("the stream started")
+
+    monkeypatch.setattr(strategies, "scatter", started)
+    monkeypatch.setenv(name, "sometimes")
+    with pytest.raises(ValueError, match=name):
+        streamload.load_checkpoint(nn.Linear(2, 3, bias=False), tmp_path)

@@ -45,6 +45,7 @@ from ..model.state import (
     record_state,
     restore_buffers,
 )
+from ..options import env_flag
 from ..plan.buckets import Bucket, Placement, Plan, build_plan, validate_dtypes, validate_shapes
 from ..plan.convert import Conversion, FallbackSources, Table, plan_conversions
 from ..plan.global_buckets import build_served_plan
@@ -422,6 +423,9 @@ def _check_and_materialize(
     clock: PhaseClock,
 ) -> None:
     """This rank's share of the pre-stream checks, filling ``local`` as it goes."""
+    # Overrides read only once the pipeline runs: a malformed one raises here, inside the agreement.
+    for keyword in ("prefault", "progress"):
+        env_flag(keyword, getattr(options, keyword))
     shapes = {name: tuple(t.shape) for name, t in state.targets().items()}
     if options.quantized not in ("dequantize", "keep"):
         raise ValueError(f"quantized must be 'dequantize' or 'keep', not {options.quantized!r}")
