@@ -7,6 +7,7 @@
 #include <setjmp.h>
 #include <signal.h>
 
+#include <atomic>
 #include <mutex>
 
 #if defined(__x86_64__) || defined(__SSE2__)
@@ -314,6 +315,73 @@ struct Piece {
   int64_t src_offset, dst_offset;  // elements
 };
 
+// A pread piece's bounce buffer never holds more than this: the rows of a column shard lie
+// world-size times their length apart in the file, so a piece's whole span grows with the world.
+constexpr int64_t kBounceBytes = 2 * kPieceBytes;
+
+void note_peak(std::atomic<uint64_t>& peak, uint64_t n) {
+  uint64_t seen = peak.load(std::memory_order_relaxed);
+  while (seen < n && !peak.compare_exchange_weak(seen, n, std::memory_order_relaxed)) {
+  }
+}
+
+// Reads region r of a pread file (its element 0 at byte `at` of the data section) into dst
+// through `buf`. A span that is at most half gaps and fits kBounceBytes is read whole (a 1-D
+// strided gather whatever its gaps: there is no finer range to read); a sparser region one
+// outer index at a time (each row of a column shard is its own range); a wider one in outer
+// chunks whose span fits. So `buf` stays within kBounceBytes and gaps are read only where
+// they are smaller than the data around them.
+void pread_region(const MappedFile* f, DType sd, DType dd, int64_t at, char* dst, Region r,
+                  std::vector<char>& buf, std::atomic<uint64_t>& peak) {
+  const int64_t si = static_cast<int64_t>(dtype_itemsize(sd)), di = static_cast<int64_t>(dtype_itemsize(dd));
+  while (r.ndim > 1 && r.shape[0] == 1) {  // a size-1 outer dim carries no range of its own
+    for (int k = 1; k < r.ndim; ++k) {
+      r.shape[k - 1] = r.shape[k];
+      r.ss[k - 1] = r.ss[k];
+      r.ds[k - 1] = r.ds[k];
+    }
+    --r.ndim;
+  }
+  int64_t lo = 0, hi = 0, n = 1, inner_lo = 0, inner_hi = 0;
+  for (int k = 0; k < r.ndim; ++k) {
+    int64_t span = (r.shape[k] - 1) * r.ss[k];
+    if (span < 0) lo += span; else hi += span;
+    if (k > 0) {
+      if (span < 0) inner_lo += span; else inner_hi += span;
+    }
+    n *= r.shape[k];
+  }
+  const int64_t len = (hi - lo + 1) * si;
+  const bool dense = len <= 2 * n * si;
+  if (len <= kBounceBytes && (dense || r.ndim == 1)) {
+    if (buf.size() < static_cast<size_t>(len)) buf.resize(static_cast<size_t>(len));
+    note_peak(peak, static_cast<uint64_t>(len));
+    f->read_data(static_cast<uint64_t>(at + lo * si), static_cast<uint64_t>(len), buf.data());
+    copy_region(sd, dd, buf.data() - lo * si, dst, r);
+    return;
+  }
+  const int64_t stride = r.ss[0] < 0 ? -r.ss[0] : (r.ss[0] > 0 ? r.ss[0] : 1);
+  const int64_t room = kBounceBytes / si - (inner_hi - inner_lo + 1);  // elements left for the outer dim
+  const int64_t per = room > 0 ? room / stride + 1 : 1;  // outer indices whose span fits
+  if (r.ndim == 1 || (dense && per > 1)) {
+    for (int64_t b = 0; b < r.shape[0]; b += per) {
+      Region c = r;
+      c.shape[0] = std::min(per, r.shape[0] - b);
+      pread_region(f, sd, dd, at + b * r.ss[0] * si, dst + b * r.ds[0] * di, c, buf, peak);
+    }
+    return;
+  }
+  Region sub{};
+  sub.ndim = r.ndim - 1;
+  for (int k = 1; k < r.ndim; ++k) {
+    sub.shape[k - 1] = r.shape[k];
+    sub.ss[k - 1] = r.ss[k];
+    sub.ds[k - 1] = r.ds[k];
+  }
+  for (int64_t b = 0; b < r.shape[0]; ++b)
+    pread_region(f, sd, dd, at + b * r.ss[0] * si, dst + b * r.ds[0] * di, sub, buf, peak);
+}
+
 }  // namespace
 
 size_t default_threads() {
@@ -385,17 +453,9 @@ uint64_t CopyEngine::execute(const std::vector<const MappedFile*>& files, const 
       f->read_data(static_cast<uint64_t>(op.src + p.src_offset * si), static_cast<uint64_t>(p.region.shape[0] * si), dst);
       return;
     }
-    // pread: fetch the byte span the piece touches, then copy out of it.
-    int64_t lo = 0, hi = 0;
-    for (int k2 = 0; k2 < p.region.ndim; ++k2) {
-      int64_t span = (p.region.shape[k2] - 1) * p.region.ss[k2];
-      if (span < 0) lo += span; else hi += span;
-    }
+    // pread: through this thread's bounce buffer, at most kBounceBytes (see pread_region).
     thread_local std::vector<char> buf;
-    size_t len = static_cast<size_t>((hi - lo + 1) * si);
-    if (buf.size() < len) buf.resize(len);
-    f->read_data(static_cast<uint64_t>(op.src + (p.src_offset + lo) * si), len, buf.data());
-    copy_region(sd, dd, buf.data() - lo * si, dst, p.region);
+    pread_region(f, sd, dd, op.src + p.src_offset * si, dst, p.region, buf, peak_bounce_);
   });
   return total;
 }

@@ -4,6 +4,7 @@
 // written, so a bad batch writes nothing.
 #pragma once
 
+#include <atomic>
 #include <cstdint>
 #include <functional>
 #include <memory>
@@ -68,8 +69,12 @@ class CopyEngine {
   // baseline benchmarks compare against.
   void parallel_memcpy(char* dst, const char* src, size_t n);
 
+  // The largest pread bounce read so far (bytes): what one worker's buffer holds.
+  uint64_t peak_bounce_bytes() const { return peak_bounce_.load(); }
+
  private:
   ThreadPool pool_;
+  std::atomic<uint64_t> peak_bounce_{0};
 };
 
 // Installs the SIGBUS handler that run_guarded relies on (idempotent).
