@@ -192,3 +192,51 @@ def local_layout(
         box = tuple((per_dim[d][k][0], per_dim[d][k][0] + per_dim[d][k][1]) for d, k in enumerate(choice))
         parts.append((box, tuple(starts[d][k] for d, k in enumerate(choice))))
     return tuple(parts), extent
+
+
+def nested_shard_mismatch(
+    shape: Sequence[int],
+    mesh_shape: Sequence[int],
+    placements: Sequence[Any],
+    coord: Sequence[int],
+    have: Sequence[int],
+) -> str | None:
+    """Why a local shard differs from its placements when FSDP2 shards a TP shard again, or None.
+
+    FSDP2 over tensor parallelism shards each TP rank's chunk of a dim again over the FSDP
+    mesh dim (nested ``torch.chunk``) and describes it as ``_StridedShard(d, split_factor=k)``
+    on the FSDP dim plus ``Shard(d)`` on the later TP dim. torch's ``_StridedShard`` semantics
+    place the rows as if dim ``d`` split into ``k`` equal chunks: the two agree whenever the
+    size of ``d`` is divisible by ``k``, and can differ otherwise (GPT-2's vocabulary of 50257
+    over tp=2, dp=4: the last FSDP rank holds 6280 and 6282 rows where the placements say 6281).
+
+    Returns:
+        The explanation (which dim, its size, the degrees, the rows this rank holds and the rows
+        the placements give, and the fix), when the placements have that form; else None.
+    """
+    for i, p in enumerate(placements):
+        if not isinstance(p, _StridedShard):
+            continue
+        d = p.dim % max(len(shape), 1)
+        later = [
+            j
+            for j in range(i + 1, len(placements))
+            if type(placements[j]) is Shard and placements[j].dim % len(shape) == d
+        ]
+        if not later:
+            continue
+        k, size = int(p.split_factor), int(shape[d])
+        if size % k == 0:
+            continue
+        _, want = local_layout(shape, mesh_shape, placements, coord)
+        tp = int(mesh_shape[later[0]])
+        return (
+            f"FSDP2 shards the tensor-parallel shard again: dim {d} ({size}) is split over {tp} TP ranks "
+            f"(mesh dim {later[0]}), then each TP chunk over {int(mesh_shape[i])} FSDP ranks (mesh dim {i}), "
+            f"which placements {tuple(placements)} describe exactly whenever dim {d} is divisible by the "
+            f"split factor {k}; {size} is not, and at mesh coordinate {tuple(coord)} the local shard is "
+            f"{list(have)} where the placements give {list(want)}. Pad dim {d} to a multiple of {k} "
+            f"(for a vocabulary: resize_token_embeddings(..., pad_to_multiple_of={k})) or shard it over one "
+            "mesh dim only"
+        )
+    return None

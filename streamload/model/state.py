@@ -18,7 +18,7 @@ from ..errors import ModelMismatchError, PlacementError, TieError
 from ..io.copy_ops import ST_DTYPES
 from ..plan.buckets import Placement
 from .hf import init_buffers_like_from_pretrained
-from .layouts import check_placements, local_layout
+from .layouts import check_placements, local_layout, nested_shard_mismatch
 
 
 @dataclass
@@ -136,6 +136,11 @@ def local_placement(t: torch.Tensor, name: str = "") -> Placement:
         parts, want = local_layout(tuple(t.shape), tuple(mesh.shape), placements, mesh.get_coordinate())
         have = tuple(local_tensor(t).shape)
         if want != have:
+            nested = nested_shard_mismatch(
+                tuple(t.shape), tuple(mesh.shape), placements, mesh.get_coordinate(), have
+            )
+            if nested is not None:
+                raise PlacementError(f"{list(t.shape)}: {nested}", tensor=name)
             raise PlacementError(
                 f"placements {placements} on mesh {tuple(mesh.shape)}: local shard is {list(have)}, "
                 f"torch's layout semantics give {list(want)}",
