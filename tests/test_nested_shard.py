@@ -57,6 +57,8 @@ def test_gpt2_vocabulary_over_tp2_dp4_is_refused_precisely() -> None:
     assert "pad_to_multiple_of=2" in why
     assert nested_shard_mismatch((50256, 768), mesh, placements, (3, 0), (6282, 768)) is None
     assert nested_shard_mismatch((size, 768), mesh, (Shard(0), Shard(1)), (3, 0), (6280, 768)) is None
+    other = (_StridedShard(0, split_factor=3), Shard(0))  # not FSDP2's nesting (3 != tp)
+    assert nested_shard_mismatch((size, 768), mesh, other, (3, 0), (6280, 768)) is None
 
     # As a load sees it: the parameter FSDP2 left at (3, 0) holds 6280 rows.
     mesh_ = SimpleNamespace(shape=mesh, get_coordinate=lambda: [3, 0])

@@ -226,8 +226,8 @@ def nested_shard_mismatch(
         if not later:
             continue
         k, size = int(p.split_factor), int(shape[d])
-        if size % k == 0:
-            continue
+        if size % k == 0 or int(mesh_shape[later[0]]) != k:
+            continue  # FSDP2 splits by the TP degree: another factor is not its nesting
         _, want = local_layout(shape, mesh_shape, placements, coord)
         tp = int(mesh_shape[later[0]])
         return (
