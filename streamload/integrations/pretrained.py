@@ -15,7 +15,8 @@ from ..errors import CheckpointError, hf_missing
 from ..load.driver import run_load
 from ..load.prepare import LoadOptions
 from ..load.source import compare_tied, open_source, resolve_device, resolve_group
-from ..model.state import rebind_ties, record_state
+from ..model.state import ModelState, rebind_ties, record_state
+from ..transport.protocol import gather_or_raise
 
 
 def repeated_blocks(model: nn.Module) -> list[nn.Module]:
@@ -192,7 +193,7 @@ def from_pretrained(
     bcast_device = resolve_device(nn.Module(), device_mesh, group) if device_mesh is not None else torch.device("cpu")
 
     # The reader sends the config with the tensor table; no other rank needs the files.
-    empty = record_state(nn.Module())
+    empty = ModelState({}, {}, [])  # nothing: no model yet (built below, after the config arrives)
     opened = open_source(
         path,
         rank,
@@ -212,34 +213,42 @@ def from_pretrained(
     param_dtype = dtype or getattr(config, "dtype", None) or torch.float32
     if isinstance(param_dtype, str):
         param_dtype = getattr(torch, param_dtype)
-    # Parameters on meta, buffers real; no initialisation (the load fills every
-    # parameter), as transformers' own from_pretrained builds its skeleton.
-    with init_empty_weights(include_buffers=False), _no_init_weights():
-        if hasattr(cls, "from_config"):
-            model = cls.from_config(config, dtype=param_dtype)
-        else:
-            model = cls._from_config(config, dtype=param_dtype)
-    if load_kwargs.get("quantized") == "keep":
-        keep_quantized_skeleton(model, config)
-    if "generation_config" in meta.extra and getattr(model, "generation_config", None) is not None:
-        model.generation_config = meta.extra["generation_config"]
-    # transformers ties lazily: on meta the head may still be its own Parameter.
-    # Tie before sharding, so FSDP manages one parameter (one shard, one
-    # all-gather, one gradient) rather than two it would later fold together.
-    rebind_ties(model, record_state(model).ties)
-    if device_mesh is not None:
-        (shard_fn or default_shard_fn)(model, device_mesh)
-    if opened.source is not None and rank == src_rank:
-        # Tie conflicts need the model's tie groups, which exist only now.
-        meta.tie_conflicts = compare_tied(opened.source, record_state(model))
-    options = LoadOptions(
-        src_rank=src_rank,
-        strict=strict,
-        bucket_bytes=bucket_bytes,
-        progress=progress,
-        device_mesh=device_mesh,
-        **load_kwargs,
-    )
+    error: BaseException | None = None
+    try:
+        # Parameters on meta, buffers real; no initialisation (the load fills every
+        # parameter), as transformers' own from_pretrained builds its skeleton.
+        with init_empty_weights(include_buffers=False), _no_init_weights():
+            if hasattr(cls, "from_config"):
+                model = cls.from_config(config, dtype=param_dtype)
+            else:
+                model = cls._from_config(config, dtype=param_dtype)
+        if load_kwargs.get("quantized") == "keep":
+            keep_quantized_skeleton(model, config)
+        if "generation_config" in meta.extra and getattr(model, "generation_config", None) is not None:
+            model.generation_config = meta.extra["generation_config"]
+        # transformers ties lazily: on meta the head may still be its own Parameter.
+        # Tie before sharding, so FSDP manages one parameter (one shard, one
+        # all-gather, one gradient) rather than two it would later fold together.
+        rebind_ties(model, record_state(model).ties)
+        if device_mesh is not None:
+            (shard_fn or default_shard_fn)(model, device_mesh)
+        if opened.source is not None and rank == src_rank:
+            # Tie conflicts need the model's tie groups, which exist only now.
+            meta.tie_conflicts = compare_tied(opened.source, record_state(model))
+        options = LoadOptions(
+            src_rank=src_rank,
+            strict=strict,
+            bucket_bytes=bucket_bytes,
+            progress=progress,
+            device_mesh=device_mesh,
+            **load_kwargs,
+        )
+    except BaseException as exc:  # noqa: BLE001 - reported to every rank, then re-raised
+        error = exc
+    # The reader alone reads the tied tensors, and any rank may fail to build its model:
+    # one agreement, so such a failure raises on every rank instead of leaving the
+    # others waiting in the load's first collective.
+    gather_or_raise(None, error, rank, group, bcast_device)
     report = run_load(model, path, options, opened)
     model.eval()
     model.streamload_report = report  # type: ignore[assignment]

@@ -5,13 +5,10 @@ from __future__ import annotations
 import logging
 import time
 
-import torch
-import torch.distributed as dist
-
 from ..io.cold import evict
 from ..model.state import rebind_ties
 from ..report import LoadReport
-from ..transport.readers import ReaderMode
+from ..transport.protocol import gather_or_raise
 from ..transport.strategies import StreamResult
 from .prepare import Prepared
 
@@ -23,7 +20,12 @@ def _drop_cache(prep: Prepared) -> str:
     behind already); returns how it read them ("" where it read none)."""
     mode = str(getattr(prep.source, "read_mode", ""))
     if prep.options.drop_cache and mode and mode != "cold":
-        evict([f.path for f in getattr(prep.source, "files", [])])
+        try:
+            evict([f.path for f in getattr(prep.source, "files", [])])
+        except Exception as exc:  # noqa: BLE001 - advisory, see below
+            # After the last agreement: raising here on one rank would fail the load there
+            # alone. Eviction only gives memory back to the host, so the load stands.
+            log.warning("streamload: the checkpoint could not be evicted from the page cache: %s", exc)
     return mode
 
 
@@ -38,7 +40,11 @@ def finalize(prep: Prepared, result: StreamResult) -> LoadReport:
         This rank's LoadReport.
     """
     prep.clock.mark("stream")
-    rebind_ties(prep.model, prep.state.ties)
+    error: BaseException | None = None
+    try:
+        rebind_ties(prep.model, prep.state.ties)
+    except BaseException as exc:  # noqa: BLE001 - reported to every rank below, then re-raised
+        error = exc
     prep.clock.mark("finalize")
     plan, match, mapped = prep.plan, prep.match, prep.mapped
     seconds = time.perf_counter() - prep.clock.start
@@ -46,14 +52,12 @@ def finalize(prep: Prepared, result: StreamResult) -> LoadReport:
     for b in plan.buckets:
         for r, segs in enumerate(b.segments):
             received[r] += sum(s.nbytes for s in segs)
-    world = dist.get_world_size(prep.group) if prep.group is not None else 1
-    if world > 1 and (len(prep.served) != world or prep.choice.mode is ReaderMode.SRC):
-        # The plan covers this rank's node (or itself) only: one integer per rank gives the rest.
-        # In src mode the reader's plan covers every rank but its receivers' do not: all gather.
-        mine = torch.tensor([received[prep.plan_rank]], dtype=torch.int64, device=prep.device)
-        every = [torch.zeros(1, dtype=torch.int64, device=prep.device) for _ in range(world)]
-        dist.all_gather(every, mine, group=prep.group)
-        received = [int(x.item()) for x in every]
+    # The last agreement: a re-tie that failed on one rank raises on every rank. It also
+    # carries what each rank received: a plan covers this rank's node (or itself) only,
+    # and in src mode the receivers' plans do not cover the other ranks.
+    every = gather_or_raise(received[prep.plan_rank], error, prep.rank, prep.group, prep.device)
+    if len(every) > 1:
+        received = [int(n) for n in every]
     payload = sum(received)
     readers_at = prep.choice.reader_ranks(prep.src_group_rank, len(received))
     if prep.group_rank == prep.src_group_rank:

@@ -18,7 +18,7 @@ from ..errors import KeyMismatchError, PlacementError, key_mismatch_hint, key_mi
 from ..io.checkpoint import Checkpoint
 from ..io.copy_ops import worker_threads
 from ..io.sources import Source, as_source
-from ..model.fsdp_ties import agree_ties, tie_layout
+from ..model.fsdp_ties import TieLayout, agree_ties, tie_layout
 from ..model.layouts import check_placements
 from ..model.mapped import MappedShards, map_shards
 from ..model.missing import fill_uncovered, snapshot_real
@@ -235,9 +235,14 @@ def prepare(
     group = resolve_group(options.process_group, options.device_mesh)
     rank = dist.get_rank() if group is not None else 0
     device = resolve_device(model, options.device_mesh, group)
-    state = record_state(model)
-    # As the caller sharded it: materialising and re-binding below would hide an untied alias.
-    ties_here = tie_layout(model, state.ties)
+    early: BaseException | None = None
+    try:
+        state = record_state(model)
+        # As the caller sharded it: materialising and re-binding below would hide an untied alias.
+        ties_here = tie_layout(model, state.ties)
+    except BaseException as exc:  # noqa: BLE001 - raised in the first agreement below
+        # This rank still opens and chooses with the others (collectives), with nothing to load.
+        early, state, ties_here = exc, ModelState({}, {}, []), TieLayout("")
     src_rank = options.src_rank
     if opened is None:
         opened = open_source(
@@ -264,6 +269,8 @@ def prepare(
     local = _Local(table=meta.table, source=opened.source)
     error: BaseException | None = None
     try:
+        if early is not None:
+            raise early
         _check_and_materialize(
             model, path, options, state, meta, choice, rank, group_rank, device, local, clock
         )

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -11,7 +12,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..errors import CheckpointError, StreamloadError
-from ..io.sources import Source, as_source
+from ..io.sources import STATE_DICT, Source, as_source
 from ..model.state import ModelState, fsdp_device, local_tensor
 from ..plan.convert import FALLBACK_PREFIX, Table
 from ..transport.collectives import broadcast_object
@@ -125,6 +126,33 @@ def compare_tied(ckpt: Source, state: ModelState) -> list[str]:
     return conflicts
 
 
+def check_full_state(state: Any) -> None:
+    """Raises CheckpointError when a state dict given as the full state holds a DTensor.
+
+    A sharded value (``model.state_dict()`` of an FSDP2 model) is not a full state: making
+    it full is ``full_tensor()``, a collective the reader would enter alone, leaving every
+    rank waiting until the process group's timeout. The check reads only types, so the
+    reader raises before any collective and ``open_source`` brings the error to every rank.
+
+    Args:
+        state: what the reader was given (only a mapping is checked).
+    """
+    if not isinstance(state, Mapping):
+        return
+    from torch.distributed.tensor import DTensor
+
+    sharded = [k for k, v in state.items() if isinstance(v, DTensor)]
+    if sharded:
+        raise CheckpointError(
+            f"the full state dict holds {len(sharded)} DTensor values (a sharded state dict, e.g. "
+            "model.state_dict() of an FSDP2 model); pass a full state dict, e.g. "
+            "get_model_state_dict(model, options=StateDictOptions(full_state_dict=True)), or call "
+            "streamload.load_checkpoint with the checkpoint path",
+            STATE_DICT,
+            str(sharded[0]),
+        )
+
+
 def open_source(
     path: Any,
     rank: int,
@@ -156,6 +184,7 @@ def open_source(
         try:
             if path is None:
                 raise StreamloadError("the reader rank was given no checkpoint", rank=rank)
+            check_full_state(path)
             ckpt = as_source(path, read_mode, threads, drop_cache, direct_io)
             table = {t.name: (t.dtype, t.shape, t.file) for t in ckpt.tensors}
             payload = SourceMeta(
