@@ -53,7 +53,7 @@ from ..plan.keys import KeyMatch, match_keys
 from ..plan.mapping import plan_mapping
 from ..plan.quant import QuantTensor, check_kept, quantized_view, scheme_from_config
 from ..transport.protocol import gather_or_raise
-from ..transport.readers import ReaderChoice, ReaderMode, choose
+from ..transport.readers import ReaderChoice, ReaderMode, choose, fall_back
 from ..transport.strategies import ReaderStrategy, make_strategy
 from ..transport.stream import Shards
 from .source import OpenedSource, SourceMeta, check_same_table, open_source, resolve_device, resolve_group
@@ -182,6 +182,7 @@ class _Local:
     digest: str = ""
     source: Source | None = None
     quant: dict[str, QuantTensor] = field(default_factory=dict)
+    replaced: bool = False  # the files this rank opened are not those auto's choice rests on
 
 
 def served_ranks(choice: ReaderChoice, group_rank: int, world: int, src: int | None = None) -> list[int]:
@@ -261,7 +262,11 @@ def prepare(
     src_group_rank = dist.get_group_rank(group, src_rank) if group is not None else 0
     group_rank = dist.get_group_rank(group, rank) if group is not None else 0
     in_memory = rank == src_rank and opened.source is not None and not isinstance(path, (str, os.PathLike))
-    choice = choose(options.readers, path, src_group_rank, group, device, in_memory, node=options.node)
+    # The reader's identity comes from the files it opened above, whatever their paths name by now.
+    source = opened.source
+    choice = choose(
+        options.readers, path, src_group_rank, group, device, in_memory, node=options.node, source=source
+    )
     if group_rank == src_group_rank:
         log.info("streamload: readers=%s (%s)", choice.mode.value, choice.reason)
     clock.mark("open")
@@ -278,9 +283,18 @@ def prepare(
         error = exc
     # One short digest per rank, not every rank's placements: each rank derives the
     # placements it plans for from the specs it holds itself.
-    gathered = gather_or_raise((local.digest, ties_here), error, rank, group, device)
-    digests = [d for d, _ in gathered]
-    agree_ties([t for _, t in gathered], model, rank, group, device)
+    gathered = gather_or_raise((local.digest, ties_here, local.replaced), error, rank, group, device)
+    digests = [d for d, _, _ in gathered]
+    agree_ties([t for _, t, _ in gathered], model, rank, group, device)
+    replaced = [r for r, (_, _, changed) in enumerate(gathered) if changed]
+    if replaced:
+        # Some reader opened other files than the reader's (replaced since it opened them):
+        # the reader alone reads, from the files it holds open; no rank mixes the two.
+        choice = fall_back(choice, replaced)
+        if group_rank != src_group_rank:
+            local.source = None
+        else:
+            log.info("streamload: readers=%s (%s)", choice.mode.value, choice.reason)
     if len(set(digests)) > 1:
         differ = [r for r, d in enumerate(digests) if d != digests[0]]
         raise PlacementError(
@@ -309,14 +323,14 @@ def prepare(
     except BaseException as exc:  # noqa: BLE001 - reported to every rank, then re-raised
         error = error or exc
     try:
-        # The agreement also carries each rank's bucket count: owners plans are per rank,
-        # and every rank must take part in the same number of per-bucket checks.
+        # The agreement also carries each rank's bucket count: owners plans are per rank, node
+        # plans per node, and every rank must take part in the same number of per-bucket steps.
         counts = gather_or_raise(len(prep.plan.buckets) if prep else 0, error, rank, group, device)
     except BaseException:
         strategy.close()  # every rank raises here, so every rank gives its groups back
         raise
     assert prep is not None
-    if choice.mode is ReaderMode.OWNERS:
+    if choice.mode in (ReaderMode.OWNERS, ReaderMode.NODE):
         pad_buckets(prep.plan, max(counts))
     prep.strategy = strategy
     clock.mark("plan")
@@ -514,4 +528,8 @@ def _check_and_materialize(
             on_node = next(len(ranks) for ranks in choice.nodes if group_rank in ranks)
             threads = max(1, worker_threads() // on_node)
         local.source = as_source(path, options.read_mode, threads, options.drop_cache, options.direct_io)
-        check_same_table(local.source, meta.table)
+        # Not the files auto's choice rests on (replaced since the reader opened its own): the
+        # ranks fall back to src after the next agreement, whatever this rank's files hold.
+        local.replaced = not choice.proof_holds(local.source)
+        if not local.replaced:
+            check_same_table(local.source, meta.table)

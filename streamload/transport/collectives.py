@@ -24,15 +24,26 @@ class Transport:
         group: the process group (None: no torch.distributed, one process).
         src: global rank of the reader.
         device: where the wire buffers live (cuda for NCCL, cpu for gloo).
+        rows: on the reader, the group rank each row of its plan stands for, ascending (the
+            packed bucket holds the rows in order, and ``all_to_all_single`` takes each
+            destination's bytes in group rank order); default every rank of ``group``.
+            Ranks of no row (another node's) get nothing from this reader.
     """
 
-    def __init__(self, group: dist.ProcessGroup | None, src: int, device: torch.device) -> None:
+    def __init__(
+        self, group: dist.ProcessGroup | None, src: int, device: torch.device, rows: list[int] | None = None
+    ) -> None:
         self.group = group
         self.src = src
         self.device = device
         self.rank = dist.get_rank(group) if group is not None else 0
         self.world = dist.get_world_size(group) if group is not None else 1
         self.group_src = dist.get_group_rank(group, src) if group is not None else 0
+        self.rows = list(range(self.world)) if rows is None else list(rows)
+        if self.rows != sorted(set(self.rows) & set(range(self.world))):
+            raise ValueError(
+                f"plan rows must be distinct ascending ranks of a {self.world}-rank group: {self.rows}"
+            )
 
     def start(self, bucket: Bucket, send: torch.Tensor | None, recv: torch.Tensor) -> Any:
         """Starts moving ``bucket``; returns a handle for ``wait``.
@@ -52,7 +63,9 @@ class Transport:
         out_splits[self.group_src] = recv.numel()
         if self.rank == self.group_src:
             assert send is not None
-            in_splits = [bucket.wire_bytes(r) for r in range(self.world)]
+            in_splits = [0] * self.world
+            for row, r in enumerate(self.rows):
+                in_splits[r] = bucket.wire_bytes(row)
             inp = send[: bucket.wire_total]
         else:
             in_splits = [0] * self.world

@@ -7,7 +7,10 @@
   crosses between nodes.
 - ``auto``: ranks all-gather the identity of the files they see (device,
   inode, size and modification time) and pick owners or node only where the
-  readers provably read the very same files; anything else is src.
+  readers provably read the very same files; anything else is src. The
+  reader's identity is that of the descriptors it already opened, and every
+  other reader checks the descriptors it opens against it: files replaced
+  while the load starts make it fall back to src (``fall_back``), never mix.
 
 Why auto never trusts copies: equal sizes, headers and sampled blocks do not
 prove equal bytes (two copies may differ anywhere between the samples, and
@@ -34,7 +37,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..errors import CheckpointFileError
+from ..errors import CheckpointFileError, StreamloadError
+from ..io.checkpoint import resolve_files
 from ..options import env_text
 from .collectives import all_gather_object
 
@@ -96,20 +100,44 @@ def fingerprint(path: Any) -> tuple | None:
     return _per_file(path, _sampled_digest)
 
 
-def _identity(f: Path) -> tuple:
-    st = f.stat()
-    return (f.name, st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+def _identity(name: str, st: os.stat_result) -> tuple:
+    return (name, st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
 
 
 def file_identity(path: Any) -> tuple | None:
-    """(file name, st_dev, st_ino, st_size, st_mtime_ns) per safetensors file, or
-    None when this rank does not see the checkpoint.
+    """(file name, st_dev, st_ino, st_size, st_mtime_ns) per file the loader opens at
+    ``path`` (the index's files, else every safetensors file), or None when this rank
+    does not see the checkpoint.
 
     Equal on two ranks only when both open the same files of one file system
     (a hard link or another path to them included): the proof ``auto`` needs
     before letting ranks read their own bytes. A copy has another inode (or
-    device, on another node), even when its mtime was preserved."""
-    return _per_file(path, _identity)
+    device, on another node), even when its mtime was preserved. Taken by path,
+    it says what an ``open`` would find now; ``opened_identity`` says what a
+    rank that opened the files reads."""
+    if path is None or not isinstance(path, (str, os.PathLike)):
+        return None
+    try:
+        files, _ = resolve_files(path)
+        return tuple(_identity(f.name, f.stat()) for f in files) or None
+    except (OSError, ValueError, StreamloadError):  # a NUL byte in the path is a ValueError
+        return None
+
+
+def opened_identity(source: Any) -> tuple | None:
+    """``file_identity`` of the files ``source`` (an open Checkpoint) holds open, from their
+    descriptors (``os.fstat``): the files it reads, whatever their paths name by now.
+    None for a source that holds no files (a dict of tensors)."""
+    files = getattr(source, "files", None)
+    if not files:
+        return None
+    out = []
+    for f in files:
+        fd = int(getattr(f, "fileno", -1))
+        if fd < 0:
+            return None
+        out.append(_identity(Path(f.path).name, os.fstat(fd)))
+    return tuple(out)
 
 
 def _first_difference(theirs: tuple | None, reference: tuple) -> tuple[str | None, str]:
@@ -144,6 +172,9 @@ class ReaderChoice:
     reason: str
     nodes: list[list[int]] = field(default_factory=list)  # group ranks per node, in node order
     node_readers: list[int] = field(default_factory=list)  # reader group rank per node
+    # What auto's choice rests on: the identity of the files the reader opened. Every other
+    # rank that reads checks the files it opens against it (see ``proof_holds``).
+    proof: tuple | None = None
 
     def reader_ranks(self, src: int, world: int) -> set[int]:
         """The group ranks that read the files in this mode (``src``: the designated reader)."""
@@ -152,6 +183,23 @@ class ReaderChoice:
         if self.mode is ReaderMode.NODE:
             return set(self.node_readers)
         return {src}
+
+    def proof_holds(self, source: Any) -> bool:
+        """Whether ``source``, the files this rank opened to read, are the reader's own
+        (always, where the choice rests on no proof: src, or copies the caller trusts)."""
+        return self.proof is None or opened_identity(source) == self.proof
+
+
+def fall_back(choice: ReaderChoice, ranks: list[int]) -> ReaderChoice:
+    """The ``src`` choice that replaces ``auto``'s when ``ranks`` opened other files than
+    the reader's (replaced between the reader's open and theirs): the reader alone reads,
+    from the files it holds open, so the load is one version throughout."""
+    return ReaderChoice(
+        ReaderMode.SRC,
+        f"the files changed while the ranks opened them (ranks {ranks[:20]} opened other files "
+        "than the reader's); auto does not mix them, the reader alone reads",
+        choice.nodes,
+    )
 
 
 def choose(
@@ -162,6 +210,7 @@ def choose(
     device: torch.device,
     has_source: bool,
     node: str | None = None,
+    source: Any = None,
 ) -> ReaderChoice:
     """Collective: every rank gets the same choice.
 
@@ -172,6 +221,8 @@ def choose(
         has_source: the reader was given an in-memory source (dict or open
             Checkpoint): only ``src`` can then read.
         node: this process's node id (the load's keyword; see ``node_key``).
+        source: the checkpoint this rank already opened (the reader's): its identity is
+            taken from the descriptors it reads, not from what its path names by now.
     """
     if requested not in MODES:
         raise ValueError(f"readers must be one of {MODES}, not {requested!r}")
@@ -184,7 +235,8 @@ def choose(
         return ReaderChoice(ReaderMode.OWNERS, "requested (single process)", [[0]])
     if world == 1 or requested is ReaderMode.SRC:
         return ReaderChoice(ReaderMode.SRC, "requested" if requested is ReaderMode.SRC else "single process")
-    mine = (node_key(node), fingerprint(path), has_source, file_identity(path))
+    opened = opened_identity(source) if source is not None else None
+    mine = (node_key(node), fingerprint(path), has_source, opened or file_identity(path))
     seen = all_gather_object(mine, group, device)
     has_source = bool(seen[src][2])
     keys = [s[0] for s in seen]
@@ -227,9 +279,13 @@ def choose(
             "requested: every rank's copy is trusted (size, header and sampled data hashes checked)",
             nodes,
         )
+    proof = seen[src][3] if requested is ReaderMode.AUTO else None
     if requested is ReaderMode.AUTO and all(same):
         return ReaderChoice(
-            ReaderMode.OWNERS, "every rank opens the same files (device, inode, size and mtime)", nodes
+            ReaderMode.OWNERS,
+            "every rank opens the same files (device, inode, size and mtime)",
+            nodes,
+            proof=proof,
         )
     trusted = sees if requested is ReaderMode.NODE else same
     node_readers = []
@@ -243,7 +299,11 @@ def choose(
             raise ValueError("readers='node' but some node has no rank that sees the checkpoint")
         why = "trusting each node's copy" if requested is ReaderMode.NODE else "the same files"
         return ReaderChoice(
-            ReaderMode.NODE, f"{len(nodes)} nodes, each with a rank that reads {why}", nodes, node_readers
+            ReaderMode.NODE,
+            f"{len(nodes)} nodes, each with a rank that reads {why}",
+            nodes,
+            node_readers,
+            proof=proof,
         )
     copies = [r for r in range(world) if sees[r] and not same[r]]
     if copies:

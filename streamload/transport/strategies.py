@@ -9,8 +9,7 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 import torch.distributed as dist
 
-from . import protocol
-from .protocol import StatusRoute, gather_or_raise, open_status_route
+from .protocol import StatusRoute, open_status_route
 from .readers import ReaderChoice, ReaderMode
 from .stream import read_owned, scatter
 
@@ -110,87 +109,53 @@ class OwnersRead(_Routed):
         )
 
 
-class NodeScatter:
+class NodeScatter(_Routed):
     """``node``: one reader per node scatters to the ranks of its node; nothing crosses nodes.
 
-    The node groups are created once per node layout in ``open`` (every rank
-    creates every node's group, as ``new_group`` requires) and destroyed in
-    ``close``, so repeated loads do not accumulate process groups.
+    Every bucket is one ``all_to_all_single`` over the load's own group, in which each
+    node's reader sends to the ranks of its node and every other split is zero-length;
+    the status flags travel on the load's route, as in ``src``. No process group is
+    created, on purpose:
+
+    - ``new_group`` names its groups from a world-wide counter that only its callers
+      advance. A load over part of the world (a pipeline stage, ``mesh["dp"]`` under
+      TP/EP) that created node groups on its members alone left that counter behind on
+      the other ranks, and the next world-wide ``new_group`` hung on every rank. The
+      hashed names of ``use_local_synchronization`` repeat when the same ranks create a
+      group again after a ``destroy_process_group`` (its store keys are reused), and the
+      explicit-name path is private; on NCCL a subgroup is split from the world's
+      communicator, which every rank of the world must enter anyway.
+    - The load's group already has its communicator; a node group costs one more
+      rendezvous (and on NCCL one communicator init) per node per load.
+    - Bytes move only from each node's reader to the ranks of its node; every other
+      leg of the all_to_all is zero-length (the legs ``src`` already posts between its
+      receivers), so a bucket moves the same bytes as a scatter over the node would.
+      Nodes step through the buckets together (every node pads its plan to the most
+      buckets any node has), one status flag per bucket, as ``src`` and ``owners`` do.
+    - Rows of the node's plan are group ranks of the load's group, sent in group rank
+      order: no rank order of another group can disagree with the plan's.
     """
 
-    def __init__(self) -> None:
-        self._layout: tuple[tuple[int, ...], ...] | None = None
-        self._groups: list[dist.ProcessGroup] = []
-        self._sides: list[dist.ProcessGroup] = []  # gloo twins of the node groups (NCCL only)
-
-    def open(self, choice: ReaderChoice, group: dist.ProcessGroup | None, device: torch.device) -> None:
-        """Creates every node's group (``new_group`` is collective over the whole world).
-
-        Each creation is attempted even after an earlier one failed here, so the
-        other ranks are never left waiting in a ``new_group`` this rank skipped;
-        the first failure is raised at the end. (A failure inside torch's own
-        ``new_group`` on one rank is a transport failure: the others wait for it
-        as for any collective, up to the group's timeout.)
-        """
-        assert group is not None
-        layout = tuple(tuple(ranks) for ranks in choice.nodes)
-        if layout == self._layout:
-            return
-        self.close()
-        members = [[dist.get_global_rank(group, r) for r in ranks] for ranks in layout]
-        # Node groups take the default backend: without a CPU part, their status flags need twins.
-        sides = protocol.needs_side_group(None, device)
-        failure: BaseException | None = None
-        for m in members:
-            try:
-                self._groups.append(node_group(m))
-                if sides:
-                    self._sides.append(node_group(m, backend="gloo"))
-            except BaseException as exc:  # noqa: BLE001 - raised after every group was attempted
-                failure = failure or exc
-        self._layout = layout
-        if failure is not None:
-            raise failure
-
     def run(self, prep: Prepared) -> StreamResult:
-        assert prep.group is not None and self._layout is not None
-        choice, group, group_rank = prep.choice, prep.group, prep.group_rank
+        assert prep.group is not None
+        choice, group_rank = prep.choice, prep.group_rank
         node = next(i for i, ranks in enumerate(choice.nodes) if group_rank in ranks)
         node_ranks, reader = choice.nodes[node], choice.node_readers[node]
-        node_plan = prep.plan  # planned over this node's ranks only (see served_ranks)
-        assert prep.served == list(node_ranks)
-        failure: BaseException | None = None
-        result = StreamResult(0, 0)
-        try:
-            result = StreamResult(
-                *scatter(
-                    node_plan,
-                    node_ranks.index(group_rank),
-                    node_ranks.index(reader),
-                    dist.get_global_rank(group, reader),
-                    self._groups[node],
-                    prep.device,
-                    prep.source if group_rank == reader else None,
-                    prep.shards,
-                    StatusRoute(self._sides[node], torch.device("cpu")) if self._sides else None,
-                )
+        assert prep.served == list(node_ranks)  # planned over this node's ranks only (see served_ranks)
+        return StreamResult(
+            *scatter(
+                prep.plan,
+                group_rank,
+                reader,
+                dist.get_global_rank(prep.group, reader),
+                prep.group,
+                prep.device,
+                prep.source if group_rank == reader else None,
+                prep.shards,
+                self._route,
+                prep.served,
             )
-        except BaseException as exc:  # noqa: BLE001 - other nodes must hear of it too
-            failure = exc
-        gather_or_raise(None, failure, prep.rank, group, prep.device)  # nothing else crossed between nodes
-        return result
-
-    def close(self) -> None:
-        """Destroys the node groups (every rank calls it, after the same last collective)."""
-        groups, self._groups, self._layout = self._groups + self._sides, [], None
-        self._sides = []
-        for g in groups:
-            dist.destroy_process_group(g)
-
-
-def node_group(global_ranks: list[int], backend: str | None = None) -> dist.ProcessGroup:
-    """One node's process group (a seam the fault-injection tests replace)."""
-    return dist.new_group(global_ranks, backend=backend)
+        )
 
 
 def make_strategy(choice: ReaderChoice) -> ReaderStrategy:

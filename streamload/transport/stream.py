@@ -88,7 +88,7 @@ def scatter(
     worker = prefault(fresh, shards.prefault)
     try:
         peak = _stream(
-            plan, row, src_rank, group, device, packer, shards.locals_, slots, shards.progress, status
+            plan, row, src_rank, group, device, packer, shards.locals_, slots, shards.progress, status, rows
         )
     finally:
         if worker is not None:
@@ -190,12 +190,13 @@ def _stream(
     slots: int,
     progress: bool | None,
     status: StatusRoute,
+    rows: list[int],
 ) -> int:
     """Runs the bucket pipeline; returns the staging ring's peak bytes (reader).
 
-    ``row`` is this rank's row in ``plan`` (its group rank on the reader, whose plan covers every rank).
+    ``row`` is this rank's row in ``plan``; ``rows`` the group rank of each row (see ``scatter``).
     """
-    transport = Transport(group, src_rank, device)
+    transport = Transport(group, src_rank, device, rows if packer is not None else None)
     ring: StagingRing | None = None
     stager: Stager | None = None
     check = status.check()
