@@ -27,6 +27,7 @@ from __future__ import annotations
 import hashlib
 import os
 import socket
+import stat
 import struct
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -40,7 +41,7 @@ import torch.distributed as dist
 from ..errors import CheckpointFileError, StreamloadError
 from ..io.checkpoint import resolve_files
 from ..options import env_text
-from .collectives import all_gather_object
+from .protocol import gather_or_raise
 
 
 class ReaderMode(str, Enum):
@@ -70,14 +71,21 @@ def _per_file(path: Any, describe: Callable[[Path], tuple]) -> tuple | None:
     p = Path(path)
     try:
         files = [p] if p.is_file() else sorted(f for f in p.iterdir() if f.suffix == ".safetensors")
-        return tuple(describe(f) for f in files) or None
-    except OSError:
+        # Regular files only: opening a FIFO named *.safetensors would block this rank alone
+        # before the all-gather. A NUL byte in the path is a ValueError, not an OSError.
+        return tuple(describe(f) for f in files if f.is_file()) or None
+    except (OSError, ValueError):
         return None
 
 
 def _sampled_digest(f: Path) -> tuple:
-    size = f.stat().st_size
-    with open(f, "rb") as h:
+    # Non-blocking open, then the type of what was opened: a file replaced by a FIFO after
+    # the listing must not block (O_NONBLOCK changes nothing for a regular file's reads).
+    with open(os.open(f, os.O_RDONLY | os.O_NONBLOCK), "rb") as h:
+        st = os.fstat(h.fileno())
+        if not stat.S_ISREG(st.st_mode):
+            raise OSError(f"{f}: not a regular file")
+        size = st.st_size
         head = h.read(8)
         n = struct.unpack("<Q", head)[0] if len(head) == 8 else 0
         digest = hashlib.sha1(head + h.read(min(n, 100_000_000)))
@@ -235,9 +243,16 @@ def choose(
         return ReaderChoice(ReaderMode.OWNERS, "requested (single process)", [[0]])
     if world == 1 or requested is ReaderMode.SRC:
         return ReaderChoice(ReaderMode.SRC, "requested" if requested is ReaderMode.SRC else "single process")
-    opened = opened_identity(source) if source is not None else None
-    mine = (node_key(node), fingerprint(path), has_source, opened or file_identity(path))
-    seen = all_gather_object(mine, group, device)
+    local: BaseException | None = None
+    mine: tuple = (None, None, has_source, None)
+    try:
+        opened = opened_identity(source) if source is not None else None
+        mine = (node_key(node), fingerprint(path), has_source, opened or file_identity(path))
+    except BaseException as exc:  # noqa: BLE001 - raised on every rank by the all-gather below
+        local = exc
+    # An agreement: a failure describing this rank's files raises on every rank, instead of
+    # leaving the others waiting in the all-gather this rank would have skipped.
+    seen = gather_or_raise(mine, local, dist.get_rank() if group is not None else 0, group, device)
     has_source = bool(seen[src][2])
     keys = [s[0] for s in seen]
     order: list[str] = []

@@ -77,19 +77,26 @@ def scatter(
         plan.set_direct(rows.index(src_group_rank) if src_group_rank in rows else None)
     else:
         slots = max(slots, 3)  # pack k+2, copy k+1 to the device, scatter k
-    packer = (
-        Packer(source, plan, shards.locals_, shards.fallbacks, shards.skip, shards.quant)
-        if source is not None
-        else None
-    )
+    packer: Packer | None = None
+    setup: BaseException | None = None  # agreed with the buffers, before the first bucket
+    try:
+        if source is not None:
+            packer = Packer(source, plan, shards.locals_, shards.fallbacks, shards.skip, shards.quant)
+    except BaseException as exc:  # noqa: BLE001 - every rank must hear of it (see _stream)
+        setup = exc
     status = status or open_status_route(group, device, create=False)
     # Fresh CPU shards (not the mapped ones) are faulted in while the pipeline waits (prefault.py).
     fresh = [t for i, t in enumerate(shards.locals_) if i not in shards.skip] if device.type == "cpu" else []
-    worker = prefault(fresh, shards.prefault)
+    try:
+        worker = prefault(fresh, shards.prefault)
+    except Exception as exc:  # noqa: BLE001 - advisory: pages fault in at first write instead
+        worker = None
+        warnings.warn(f"streamload: shards are not faulted in ahead: {exc}", stacklevel=2)
     try:
         peak = _stream(
-            plan, row, src_rank, group, device, packer, shards.locals_, slots, shards.progress, status, rows
-        )
+            plan, row, src_rank, group, device, packer, shards.locals_, slots, shards.progress, status, rows,
+            setup,
+        )  # fmt: skip
     finally:
         if worker is not None:
             worker.join()
@@ -120,11 +127,13 @@ def read_owned(
     assert source is not None
     check = (status or open_status_route(group, device, create=False)).check()
     locals_ = shards.locals_
-    packer = Packer(source, plan, locals_, shards.fallbacks, shards.skip, shards.quant)
-    bar = _progress_bar(sum(s.nbytes for b in plan.buckets for s in b.segments[row]), shards.progress)
+    bar: Any = None
     stager: Stager | None = None
     allocation: BaseException | None = None
+    packer: Packer | None = None
     try:
+        packer = Packer(source, plan, locals_, shards.fallbacks, shards.skip, shards.quant)
+        bar = _progress_bar(sum(s.nbytes for b in plan.buckets for s in b.segments[row]), shards.progress)
         if plan.buckets:
             # Shards on the CPU (FSDP2 offload too) are filled in place: nothing stages there.
             on_cpu = all(t.device.type == "cpu" for t in locals_)
@@ -133,6 +142,7 @@ def read_owned(
     except BaseException as exc:  # noqa: BLE001 - every rank must hear of it
         allocation = exc
     _agree_on_buffers(check, allocation, [stager], group_rank, group, device)
+    assert packer is not None
     if stager is None:
         plan.set_direct(row)
     failure: BaseException | None = None
@@ -163,15 +173,23 @@ def read_owned(
                 previous = check.post(failure is not None)
             if failure is not None:
                 break
+        # A rank that failed in the loop announced it in its last flag: every rank reads it here.
         failed = check.result(previous) if previous is not None else False
-        if failure is not None or failed or check.any_failed(failure is not None):
+        if not failed:
+            # The device's queued copies may fail too: waited for before the last agreement.
+            try:
+                settle(device)
+            except BaseException as exc:  # noqa: BLE001 - reported to every rank below
+                failure = exc
+            failed = check.any_failed(failure is not None)
+        if failed:
             gather_or_raise(None, failure, group_rank, group, device)
-        settle(device)
+            raise RuntimeError("unreachable: a failure was signalled but none was gathered")
     finally:
         try:
             # A stop before the last bucket (this rank's failure or another's) leaves the next
             # bucket's reads landing in the shards: they end here, before the shards may go.
-            packer.drain()
+            _drain_quietly(packer)
         finally:
             if bar is not None:
                 bar.close()
@@ -191,12 +209,15 @@ def _stream(
     progress: bool | None,
     status: StatusRoute,
     rows: list[int],
+    setup: BaseException | None = None,
 ) -> int:
     """Runs the bucket pipeline; returns the staging ring's peak bytes (reader).
 
     ``row`` is this rank's row in ``plan``; ``rows`` the group rank of each row (see ``scatter``).
+    ``setup``: this rank's failure before the pipeline (its packer), agreed with the buffers.
     """
-    transport = Transport(group, src_rank, device, rows if packer is not None else None)
+    transport: Transport | None = None
+    bar: Any = None
     ring: StagingRing | None = None
     stager: Stager | None = None
     check = status.check()
@@ -205,8 +226,9 @@ def _stream(
     # `slots` buckets in flight so packing k+1 overlaps the transport of k.
     depth = max(1, min(slots, len(plan.buckets))) if packer is not None else 1
     recv_ring: list[torch.Tensor] = []
-    allocation: BaseException | None = None
+    allocation: BaseException | None = setup
     try:
+        transport = Transport(group, src_rank, device, rows if packer is not None else None)
         if packer is not None and plan.buckets:
             stager = open_stager(device, depth, plan.max_bucket_bytes)
             if stager is None:
@@ -218,10 +240,12 @@ def _stream(
         recv_ring = [
             torch.empty(recv_len, dtype=torch.uint8, device=device) for _ in range(depth if recv_len else 1)
         ]
+        bar = _progress_bar(plan.payload_bytes, progress) if packer is not None else None
     except BaseException as exc:  # noqa: BLE001 - every rank must hear of it
         allocation = exc
-    _agree_on_buffers(check, allocation, [stager], transport.rank, group, device)
-    bar = _progress_bar(plan.payload_bytes, progress) if packer is not None else None
+    me = dist.get_rank(group) if group is not None else 0
+    _agree_on_buffers(check, allocation, [stager], me, group, device)
+    assert transport is not None
     inflight: deque[tuple[int, torch.Tensor, Any]] = deque()
     failure: BaseException | None = None
     tl = current()
@@ -244,7 +268,8 @@ def _stream(
             try:
                 if len(inflight) == depth:
                     finish()
-                if packer is not None and (ring is not None or stager is not None):
+                # After a failure, buckets up to the agreed stop move without being packed.
+                if failure is None and packer is not None and (ring is not None or stager is not None):
                     packer.check_source()
                     with tl.span("pack", k):
                         if stager is not None:
@@ -270,7 +295,16 @@ def _stream(
                 # A failed pack still takes part in the collective it announced.
                 send = stager.device(k) if stager is not None else ring[k] if ring is not None else None
             recv = recv_ring[k % len(recv_ring)][: bucket.wire_bytes(row)]
-            inflight.append((k, recv, transport.start(bucket, send, recv)))
+            try:
+                handle = transport.start(bucket, send, recv)
+            except BaseException as exc:  # noqa: BLE001 - announced with the next status flag
+                # The other ranks launch bucket k whatever happened here: a launch that failed
+                # before reaching the wire is replaced by one that can only move zeros, so no
+                # rank waits for it; the failure stops every rank at the next status check.
+                failure = failure or exc
+                zeros = torch.zeros(bucket.wire_total, dtype=torch.uint8, device=device)
+                handle = transport.start(bucket, zeros if packer is not None else None, recv)
+            inflight.append((k, recv, handle))
         else:
             failed = previous is not None and check.result(previous)
             if not failed:
@@ -285,13 +319,15 @@ def _stream(
                 return stager.peak_bytes if stager is not None else ring.peak_bytes if ring is not None else 0
         # Someone failed: finish the collectives already posted, then agree on the error.
         while inflight:
-            finish(unpack_it=False)
+            try:
+                finish(unpack_it=False)
+            except BaseException as exc:  # noqa: BLE001 - this rank still joins the agreement
+                failure = failure or exc
         gather_or_raise(None, failure, transport.rank, group, device)
         raise RuntimeError("unreachable: a failure was signalled but none was gathered")
     finally:
         try:
-            if packer is not None:
-                packer.drain()  # reads of the next bucket may be landing in its slot (see read_owned)
+            _drain_quietly(packer)  # reads of the next bucket may be landing in its slot (see read_owned)
         finally:
             if bar is not None:
                 bar.close()
@@ -317,6 +353,18 @@ def _agree_on_buffers(
         _close_quietly(stager)  # page-locked host slots are never left behind
     gather_or_raise(None, failure, rank, group, device)
     raise RuntimeError("unreachable: a failure was signalled but none was gathered")
+
+
+def _drain_quietly(packer: Packer | None) -> None:
+    """Waits for the reads still in flight; a failure to is a warning, not an error: on a
+    failed load the agreed error is already on its way (this rank must raise that one), and
+    after a load every rank agreed on, raising here alone would leave the ranks disagreeing."""
+    if packer is None:
+        return
+    try:
+        packer.drain()
+    except Exception as exc:  # noqa: BLE001 - see the docstring
+        warnings.warn(f"streamload: reads in flight could not be waited for: {exc}", stacklevel=2)
 
 
 def _close_quietly(stager: Stager | None) -> None:
