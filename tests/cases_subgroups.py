@@ -203,16 +203,18 @@ def replace_shard(ckpt: str, scale: float = 2.0) -> str:
 
 
 def case_files_replaced_while_choosing(
-    rank: int, world: int, *, ckpt: str, old: str, new: str, when: str
+    rank: int, world: int, *, ckpt: str, old: str, new: str, when: str, nodes: bool = False
 ) -> dict[str, Any]:
     """``auto`` over the whole world, every rank given the same directory ``ckpt``, and one
     shard replaced (new bytes, ``os.replace``) by rank 0 at ``when``:
 
     - ``"before_choice"``: after the reader opened its files, before the ranks compare identities;
-    - ``"after_choice"``: after they agreed, before the other ranks open their files.
+    - ``"after_choice"``: after they agreed, before the other ranks open their files;
+    - ``"never"``: not replaced (the control: the same files throughout).
 
     ``old`` and ``new`` are pristine copies of the checkpoint before and after the change.
-    The load must be one version throughout, never a mix of the two.
+    The load must be one version throughout, never a mix of the two. ``nodes``: two simulated
+    nodes ({0, 1} and {2, 3}) where ranks 0 and 2 see the files, so ``auto`` picks ``node``.
     """
     real_choose: Callable[..., Any] = sl_prepare.choose
 
@@ -230,10 +232,11 @@ def case_files_replaced_while_choosing(
         return choice
 
     sl_prepare.choose = choose  # type: ignore[assignment]
+    path = MISSING_PATH if nodes and rank % 2 else ckpt
     try:
-        with warnings.catch_warnings():
+        with warnings.catch_warnings(), simulated_node(f"host{rank // 2}" if nodes else None):
             warnings.simplefilter("ignore")
-            model = streamload.from_pretrained(ckpt, bucket_bytes=4096, progress=False, readers="auto")
+            model = streamload.from_pretrained(path, bucket_bytes=4096, progress=False, readers="auto")
     finally:
         sl_prepare.choose = real_choose  # type: ignore[assignment]
     wrong = {v: compare_model(model, reference(path, None)) for v, path in (("old", old), ("new", new))}

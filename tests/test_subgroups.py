@@ -136,9 +136,12 @@ def test_node_load_on_a_permuted_device_mesh_loads_or_refuses_everywhere(
             assert r["error"] is not None and "layout semantics" in r["error"], r["error"]
 
 
-@pytest.mark.parametrize("when", ["before_choice", "after_choice"])
+@pytest.mark.parametrize(
+    "when, nodes",
+    [(w, nodes) for w in ("never", "before_choice", "after_choice") for nodes in (False, True)],
+)
 def test_auto_never_mixes_files_replaced_while_it_decides(
-    ranks: Ranks, ckpt: str, tmp_path: Path, when: str
+    ranks: Ranks, ckpt: str, tmp_path: Path, when: str, nodes: bool
 ) -> None:
     old = tmp_path / "old"
     shutil.copytree(ckpt, old)
@@ -148,11 +151,19 @@ def test_auto_never_mixes_files_replaced_while_it_decides(
     live = tmp_path / "live"
     shutil.copytree(ckpt, live)
     res = ranks.run(
-        cases.case_files_replaced_while_choosing, ckpt=str(live), old=str(old), new=str(new), when=when
+        cases.case_files_replaced_while_choosing,
+        ckpt=str(live),
+        old=str(old),
+        new=str(new),
+        when=when,
+        nodes=nodes,
     )
+    assert all(r["version"] == "old" for r in res), res
+    if when == "never":  # the same files throughout: owners over one shared copy, or node
+        assert all(r["reader"].startswith("node" if nodes else "owners") for r in res), res[0]["reader"]
+        return
     # Rank 0 had opened the old files: only it reads, so the load is the old version throughout.
     assert all(r["reader"].startswith("src") for r in res), res[0]["reader"]
-    assert all(r["version"] == "old" for r in res), res
     assert "changed" in res[0]["reader"] or "copies" in res[0]["reader"], res[0]["reader"]
 
 
