@@ -130,11 +130,17 @@ def open_status_route(
 
     - single process, or a group that carries CPU tensors: that group, flags on the CPU;
     - an accelerator-only group (``"nccl"``) spanning the world: a new gloo group over the
-      same ranks, for this load only (``close`` destroys it);
+      same ranks, for this load only (``close`` destroys it); every rank of the world takes
+      part in the load, so every rank enters this ``new_group`` and torch's group counter
+      stays in step;
     - an accelerator-only group over part of the world: the group itself with device flags
-      (correct, but each check waits for the device); a gloo side group cannot be created
-      there without every rank of the world taking part, and re-creating one per load with
-      ``use_local_synchronization`` reuses its store keys and hangs.
+      (correct, but each check waits for the device). No group is created there:
+      ``new_group`` names groups from a counter that only its callers advance, so a group
+      made by a subgroup's members alone leaves the other ranks behind and the next
+      world-wide ``new_group`` hangs; ``use_local_synchronization``'s hashed names repeat
+      when the same ranks create one again after a ``destroy_process_group`` (its store
+      keys are reused) and a member-only group with a name of one's own needs torch's
+      private helpers.
 
     Args:
         group: the load's group.
