@@ -154,3 +154,37 @@ def test_readahead_read_in_flight_at_fork_is_forgotten_in_child() -> None:
     assert ahead.wait(batch, 0) == 0  # chunk 0 read into buffer 0
     ahead.done(batch, 0)
     ahead.close()
+
+
+def test_native_cold_reader_pool_survives_fork(tmp_path: Path) -> None:
+    """The native ColdReader's thread pool (csrc/thread_pool.cpp resets every pool in a fork
+    child): a reader used with several threads before fork() reads in the child too."""
+    from streamload.io import _native
+
+    f = tmp_path / "blob.bin"
+    f.write_bytes(np.random.default_rng(0).integers(0, 255, 1 << 20, dtype=np.uint8).tobytes())
+    reader = _native.ColdReader(threads=4, block_bytes=4096)
+    spans = np.ascontiguousarray(np.array([[0, 1 << 20]], dtype=np.int64))
+
+    def prefetch() -> int:
+        return int(reader.prefetch(str(f), spans.ctypes.data, spans.nbytes)["bytes_read"])
+
+    assert prefetch() == 1 << 20  # the pool's threads have run
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            os.close(r)
+            os.write(w, str(prefetch()).encode())
+            code = 0
+        finally:
+            os._exit(code)
+    os.close(w)
+    try:
+        wait_for_child(pid, DEADLINE, "the native ColdReader's pool hung in a fork child")
+        got = os.read(r, 64).decode()
+    finally:
+        os.close(r)
+    assert got == str(1 << 20)
+    assert prefetch() == 1 << 20
