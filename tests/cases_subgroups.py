@@ -242,3 +242,45 @@ def case_files_replaced_while_choosing(
     wrong = {v: compare_model(model, reference(path, None)) for v, path in (("old", old), ("new", new))}
     assert not wrong["old"] or not wrong["new"], f"a mix of two versions: differs from old {wrong['old']}"
     return {"reader": model.streamload_report.reader, "version": "old" if not wrong["old"] else "new"}
+
+
+def case_failure_names_the_global_rank(
+    rank: int, world: int, *, ckpt: str, members: list[int], failing: int, readers: str
+) -> dict[str, Any] | None:
+    """A load over ``members`` in which global rank ``failing`` raises while unpacking its
+    first bucket (``src``/``node``) or packing it (``owners``); returns the error's rank."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    import streamload.transport.pack as sl_pack
+    import streamload.transport.stream as sl_stream
+
+    group = world_created_group(members)
+    if group is None:
+        return {"rank": None, **world_group_works()}
+    real_unpack, real_pack = sl_stream.unpack, sl_pack.Packer.pack
+
+    def unpack(*args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError(f"injected failure unpacking on rank {rank}")
+
+    def pack(*args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError(f"injected failure packing on rank {rank}")
+
+    if rank == failing:
+        sl_stream.unpack = unpack  # type: ignore[assignment]
+        sl_pack.Packer.pack = pack  # type: ignore[method-assign]
+    raised: Any = None
+    try:
+        with simulated_node(f"host{rank // 2}"):
+            streamload.from_pretrained(
+                ckpt,
+                device_mesh=DeviceMesh.from_group(group, "cpu"),
+                src_rank=members[0],
+                bucket_bytes=4096,
+                progress=False,
+                readers=readers,
+            )
+    except Exception as exc:  # noqa: BLE001 - which error, and which rank it names, is the point
+        raised = (type(exc).__name__, getattr(exc, "rank", None), str(exc)[:300])
+    finally:
+        sl_stream.unpack, sl_pack.Packer.pack = real_unpack, real_pack  # type: ignore[method-assign]
+    return {"raised": raised, **world_group_works()}

@@ -196,3 +196,22 @@ def test_transport_rows_must_be_ascending_group_ranks() -> None:
     for rows in ([1], [0, 0], [-1]):
         with pytest.raises(ValueError, match="ascending"):
             Transport(None, 0, cpu, rows)
+
+
+@pytest.mark.parametrize(
+    "members, failing, readers", [([1, 2, 3], 3, "src"), ([1, 2, 3], 3, "owners"), ([0, 2, 3], 3, "node")]
+)
+def test_a_failure_in_a_subgroup_load_names_the_global_rank(
+    ranks: Ranks, ckpt: str, members: list[int], failing: int, readers: str
+) -> None:
+    res = ranks.run(
+        cases.case_failure_names_the_global_rank, ckpt=ckpt, members=members, failing=failing, readers=readers
+    )
+    for r in members:
+        assert res[r]["raised"] is not None, r
+        if r == failing:  # the failing rank raises its own error
+            assert res[r]["raised"][0] == "RuntimeError" and "injected" in res[r]["raised"][2], res[r][
+                "raised"
+            ]
+        else:  # the others name it by its global rank, as errors before the stream do
+            assert res[r]["raised"][1] == failing, (r, res[r]["raised"])

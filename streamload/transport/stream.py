@@ -124,6 +124,7 @@ def read_owned(
     slot (at least two; see ``Stager``).
     """
     row = group_rank if row is None else row
+    me = dist.get_rank() if group is not None else 0  # errors name global ranks, as prepare's do
     assert source is not None
     check = (status or open_status_route(group, device, create=False)).check()
     locals_ = shards.locals_
@@ -141,7 +142,7 @@ def read_owned(
             stager = open_stager(at, max(shards.slots, 2), plan.max_rank_bucket_bytes(row))
     except BaseException as exc:  # noqa: BLE001 - every rank must hear of it
         allocation = exc
-    _agree_on_buffers(check, allocation, [stager], group_rank, group, device)
+    _agree_on_buffers(check, allocation, [stager], me, group, device)
     assert packer is not None
     if stager is None:
         plan.set_direct(row)
@@ -183,7 +184,7 @@ def read_owned(
                 failure = exc
             failed = check.any_failed(failure is not None)
         if failed:
-            gather_or_raise(None, failure, group_rank, group, device)
+            gather_or_raise(None, failure, me, group, device)
             raise RuntimeError("unreachable: a failure was signalled but none was gathered")
     finally:
         try:
@@ -243,7 +244,7 @@ def _stream(
         bar = _progress_bar(plan.payload_bytes, progress) if packer is not None else None
     except BaseException as exc:  # noqa: BLE001 - every rank must hear of it
         allocation = exc
-    me = dist.get_rank(group) if group is not None else 0
+    me = dist.get_rank() if group is not None else 0  # errors name global ranks, as prepare's do
     _agree_on_buffers(check, allocation, [stager], me, group, device)
     assert transport is not None
     inflight: deque[tuple[int, torch.Tensor, Any]] = deque()
@@ -323,7 +324,7 @@ def _stream(
                 finish(unpack_it=False)
             except BaseException as exc:  # noqa: BLE001 - this rank still joins the agreement
                 failure = failure or exc
-        gather_or_raise(None, failure, transport.rank, group, device)
+        gather_or_raise(None, failure, me, group, device)
         raise RuntimeError("unreachable: a failure was signalled but none was gathered")
     finally:
         try:
