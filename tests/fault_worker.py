@@ -113,10 +113,10 @@ def resolve(step: str) -> tuple[Any, str]:
     return owner, attr
 
 
-def inject_step(step: str, fired: dict[str, int]) -> Callable[[], None]:
-    """Makes ``step``'s first call on this rank raise InjectedFault (later calls run it: what
-    the loader does to recover, e.g. a launch replaced by one that moves zeros, is real);
-    returns an undo function. ``fired["n"]`` counts the calls."""
+def inject_step(step: str, fired: dict[str, int], at: int = 1) -> Callable[[], None]:
+    """Makes call number ``at`` of ``step`` on this rank raise InjectedFault (the other calls
+    run it: what the loader does to recover, e.g. a launch replaced by one that moves zeros,
+    is real); returns an undo function. ``fired["n"]`` counts the calls."""
     owner, attr = resolve(step)
     static = inspect.getattr_static(owner, attr)
     real = getattr(owner, attr)
@@ -124,7 +124,7 @@ def inject_step(step: str, fired: dict[str, int]) -> Callable[[], None]:
     @functools.wraps(real)
     def failing(*args: Any, **kwargs: Any) -> Any:
         fired["n"] += 1
-        if fired["n"] == 1:
+        if fired["n"] == at:
             raise InjectedFault(f"injected failure in {step} on rank {dist.get_rank()}")
         return real(*args, **kwargs)
 
@@ -148,7 +148,7 @@ def run_case(case: dict[str, Any], rank: int, mesh: Any) -> dict[str, Any]:
     if step is not None:
         path = ckpt if readers != "src" or rank == 0 else "/nonexistent/on/this/node"
         if rank == case["fail_rank"]:
-            undo = inject_step(step, fired)
+            undo = inject_step(step, fired, case.get("at", 1))
     elif fault is None:  # a plain load (the run's first: imports and first-call costs)
         path = ckpt
     else:
@@ -179,7 +179,7 @@ def run_case(case: dict[str, Any], rank: int, mesh: Any) -> dict[str, Any]:
         undo()
         os.environ.pop("STREAMLOAD_NODE", None)
     row["seconds"] = time.perf_counter() - t0
-    row["fired"] = fired["n"]
+    row["fired"] = int(fired["n"] >= case.get("at", 1))  # the injected call was reached
     return row
 
 

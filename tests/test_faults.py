@@ -271,20 +271,38 @@ def _fail_ranks(i: int, mode: str) -> list[int]:
     return [(i + MODES.index(mode)) % WORLD]
 
 
+# Pipeline steps called once per bucket: they also fail at their third call (bucket 2 or so,
+# with buckets in flight), not only at the first.
+PER_BUCKET = {
+    "streamload.transport.pack:Packer.pack",
+    "streamload.transport.collectives:Transport.start",
+    "streamload.transport.collectives:Transport.wait",
+    "streamload.transport.stream:unpack",
+}
+
+
+def _injections(i: int, step: str) -> list[tuple[str, int, int]]:
+    """(reader mode, failing rank, failing call) for step number ``i``."""
+    out = [(mode, r, 1) for mode in MODES for r in _fail_ranks(i, mode)]
+    if step in PER_BUCKET:
+        out += [(mode, r, 3) for mode in ("src", "node") for r in _fail_ranks(i + 1, mode)]
+    return out
+
+
 def _step_cases(ckpt: Path) -> list[dict]:
     cases = []
     for i, step in enumerate(injected_steps()):
-        for mode in MODES:
-            for r in _fail_ranks(i, mode):
-                cases.append(
-                    {
-                        "id": f"{step}|{mode}|{r}",
-                        "step": step,
-                        "readers": mode,
-                        "fail_rank": r,
-                        "ckpt": str(ckpt),
-                    }
-                )
+        for mode, r, at in _injections(i, step):
+            cases.append(
+                {
+                    "id": f"{step}|{mode}|{r}|{at}",
+                    "step": step,
+                    "readers": mode,
+                    "fail_rank": r,
+                    "at": at,
+                    "ckpt": str(ckpt),
+                }
+            )
     return cases
 
 
@@ -384,32 +402,32 @@ def test_every_rank_raises_named_error(fault_run, fault: str) -> None:
 
 @pytest.mark.parametrize("step", injected_steps())
 def test_step_failure_raises_on_every_rank(fault_run, step: str) -> None:
-    """A failure in ``step`` on one rank: that rank raises it and every other rank raises a
+    """A failure in ``step`` on one rank (its first call, or its third for a per-bucket
+    step): that rank raises it and every other rank raises a
     RemoteRankError naming that rank, within 30 s; or, for an advisory step (or one the
     load does not reach), every rank succeeds."""
     i = injected_steps().index(step)
-    for mode in MODES:
-        for fail in _fail_ranks(i, mode):
-            case = f"{step}|{mode}|{fail}"
-            rows = fault_run["rows"].get(case, {})
-            assert sorted(rows) == list(range(WORLD)), (case, rows, fault_run["logs"])
-            for rank, row in rows.items():
-                assert row["raised"] != "HANG", (case, rank, row)
-                assert row["seconds"] < 30, (case, rank, row["seconds"])
-            fired = rows[fail]["fired"] > 0
-            if not fired or step in ADVISORY:
-                assert all(row["raised"] is None for row in rows.values()), (case, rows)
-                continue
-            for rank, row in rows.items():
-                if rank == fail:
-                    assert row["raised"] == "InjectedFault", (case, rank, row)
-                else:
-                    assert row["raised"] == "RemoteRankError", (case, rank, row)
-                    assert row["error_rank"] == fail and "injected failure" in row["message"], (
-                        case,
-                        rank,
-                        row,
-                    )
+    for mode, fail, at in _injections(i, step):
+        case = f"{step}|{mode}|{fail}|{at}"
+        rows = fault_run["rows"].get(case, {})
+        assert sorted(rows) == list(range(WORLD)), (case, rows, fault_run["logs"])
+        for rank, row in rows.items():
+            assert row["raised"] != "HANG", (case, rank, row)
+            assert row["seconds"] < 30, (case, rank, row["seconds"])
+        fired = rows[fail]["fired"] > 0
+        if not fired or step in ADVISORY:
+            assert all(row["raised"] is None for row in rows.values()), (case, rows)
+            continue
+        for rank, row in rows.items():
+            if rank == fail:
+                assert row["raised"] == "InjectedFault", (case, rank, row)
+            else:
+                assert row["raised"] == "RemoteRankError", (case, rank, row)
+                assert row["error_rank"] == fail and "injected failure" in row["message"], (
+                    case,
+                    rank,
+                    row,
+                )
 
 
 def test_step_table_is_complete(fault_run) -> None:
