@@ -6,8 +6,9 @@ in the loader's source). It records which error this rank raised, how long
 after the load started, and whether the injected step ran.
 
 A case that does not finish within ``DEADLINE_S`` is a hang: the rank writes a
-``HANG`` row and exits, so the run fails fast instead of waiting for the
-process group's timeout.
+``HANG`` row (and every thread's stack in its log) and exits, so the run fails
+fast instead of waiting for the process group's timeout. ``FAULT_DEADLINE_S``
+overrides the deadline (shorter while exploring which steps hang).
 """
 
 from __future__ import annotations
