@@ -141,6 +141,11 @@ class RemoteRankError(StreamloadError):
     """Another rank failed; raised on the ranks that were waiting for it."""
 
 
+class SaveError(StreamloadError):
+    """A save failed on some rank (``rank`` names it); raised on every rank of the save,
+    after the temporary directory was removed: the target directory was left as it was."""
+
+
 class MappingError(ModelMismatchError):
     """A key mapping (``load_checkpoint(mapping=...)``, e.g. torchtitan's state-dict
     adapter) that streamload cannot express as region algebra exactly, or whose

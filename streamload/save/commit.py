@@ -1,0 +1,440 @@
+"""Atomic output: a save writes into a temporary sibling directory and the
+checkpoint appears under its name only after every rank agreed that its
+writes succeeded, so the target is never a half-written checkpoint.
+
+The lifecycle, collective over the save's process group (every rank calls
+every step, in order)::
+
+    out = open_output(out_dir, group)   # rank 0 makes <parent>/.<name>.streamload-tmp-<id>
+    out.create_files({"model.safetensors": n})   # rank 0 creates and sizes; agreed
+    fd = out.open("model.safetensors")  # a writer opens (O_WRONLY), writes with os.pwrite
+    out.finish(ok=True)                 # fsync, agree, rename into place (or clean up)
+
+``finish`` fsyncs every descriptor ``open`` handed out, all-gathers whether
+each rank's writes succeeded, and then group rank 0 fsyncs the files and the
+directory and renames it into place: an existing target is swapped atomically
+(Linux ``renameat2(RENAME_EXCHANGE)``) and the old checkpoint removed. Where
+the exchange is not supported (another OS, an old kernel, a file system
+without it), the old target is first renamed aside and then removed: a crash
+between those two renames leaves the old checkpoint at
+``<parent>/.<name>.streamload-old-<id>`` and nothing at the target, never a
+mix. A failure on any rank is one ``SaveError`` on every rank (naming the
+failing rank and its cause), raised after the temporary directory was
+removed; the target is untouched.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import errno
+import logging
+import os
+import secrets
+import shutil
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ..errors import SaveError
+from ..transport.collectives import all_gather_object, broadcast_object
+from ..transport.protocol import carries_cpu
+
+log = logging.getLogger("streamload")
+
+TMP_TAG = ".streamload-tmp-"
+OLD_TAG = ".streamload-old-"
+PROBE = ".streamload-probe"
+
+_AT_FDCWD = -100
+_RENAME_EXCHANGE = 2
+# errno values that mean "this kernel / file system has no exchange": take the fallback.
+_NO_EXCHANGE = {errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP, errno.ENOTSUP}
+
+
+def _group_rank(group: dist.ProcessGroup | None) -> int:
+    return dist.get_rank(group) if group is not None else 0
+
+
+def _global_rank(group: dist.ProcessGroup | None) -> int:
+    return dist.get_rank() if group is not None else 0
+
+
+def _wire_device(group: dist.ProcessGroup | None) -> torch.device:
+    """Where the agreement's objects travel: the CPU on gloo, the current accelerator otherwise."""
+    if group is None or carries_cpu(group):
+        return torch.device("cpu")
+    return torch.device("cuda", torch.cuda.current_device())
+
+
+def _hint(exc: BaseException, parent: Path) -> str | None:
+    if isinstance(exc, OSError):
+        if exc.errno == errno.ENOSPC or exc.errno == errno.EDQUOT:
+            return f"the file system holding {parent} is full: free space there or save to another directory"
+        if exc.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+            return f"this process cannot write to {parent}: save to a writable directory"
+    if isinstance(exc, KeyboardInterrupt):
+        return "the save was interrupted; run it again"
+    return None
+
+
+def _describe(exc: BaseException) -> tuple[str, str | None]:
+    """(reason, hint) of ``exc`` in words that pickle (the exception itself may not)."""
+    if isinstance(exc, SaveError):
+        return exc.reason, exc.hint
+    text = str(exc)
+    return (f"{type(exc).__name__}: {text}" if text else type(exc).__name__), None
+
+
+def rename_exchange(src: str | os.PathLike, dst: str | os.PathLike) -> bool:
+    """Atomically swaps ``src`` and ``dst`` (both must exist) with Linux ``renameat2``.
+
+    Returns:
+        True when swapped; False when this system cannot exchange (no ``renameat2``
+        in libc, or the kernel / file system refuses the flag). Any other failure
+        raises ``OSError``.
+    """
+    name = ctypes.util.find_library("c")
+    try:
+        libc = ctypes.CDLL(name, use_errno=True)
+        fn = libc.renameat2
+    except (OSError, AttributeError):
+        return False
+    fn.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    fn.restype = ctypes.c_int
+    if fn(_AT_FDCWD, os.fsencode(src), _AT_FDCWD, os.fsencode(dst), _RENAME_EXCHANGE) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in _NO_EXCHANGE:
+        return False
+    raise OSError(err, os.strerror(err), os.fspath(src), None, os.fspath(dst))
+
+
+def _fsync_path(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_tree(root: Path) -> None:
+    """fsyncs every regular file under ``root``, then each directory (deepest first)."""
+    dirs = []
+    for here, _sub, files in os.walk(root):
+        dirs.append(Path(here))
+        for f in files:
+            p = Path(here) / f
+            if p.is_file() and not p.is_symlink():
+                _fsync_path(p)
+    for d in reversed(dirs):
+        _fsync_path(d)
+
+
+def _remove(path: Path) -> None:
+    """Removes ``path`` (a directory tree or a file) if it exists; errors are logged, not raised."""
+    try:
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path)
+        elif path.exists() or path.is_symlink():
+            path.unlink()
+    except OSError as exc:
+        log.warning("streamload: could not remove %s: %s", path, exc)
+
+
+class Output:
+    """One save's temporary directory and the files in it; made by ``open_output``.
+
+    Attributes:
+        out_dir: the target directory (absolute).
+        tmp_dir: the temporary sibling directory every rank writes into.
+        group: the save's process group (None: one process).
+        rank: this process's group rank; group rank 0 creates, commits and cleans up.
+        global_rank: this process's global rank (named in errors).
+    """
+
+    def __init__(
+        self, out_dir: Path, tmp_dir: Path, group: dist.ProcessGroup | None, device: torch.device
+    ) -> None:
+        self.out_dir = out_dir
+        self.tmp_dir = tmp_dir
+        self.group = group
+        self.device = device
+        self.rank = _group_rank(group)
+        self.global_rank = _global_rank(group)
+        self.fds: dict[str, int] = {}
+        self.finished = False
+
+    # -- agreement ------------------------------------------------------------------
+
+    def agree(self, local: BaseException | None) -> None:
+        """Collective: raises the same ``SaveError`` on every rank when any rank passes an error.
+
+        The first failing rank (lowest group rank) is named; on the failing rank the error is
+        chained to its own exception.
+        """
+        mine = None
+        if local is not None:
+            mine = (self.global_rank, *_describe(local), _hint(local, self.out_dir.parent))
+        gathered = all_gather_object(mine, self.group, self.device)
+        failed = [g for g in gathered if g is not None]
+        if not failed:
+            return
+        rank, reason, hint, guess = failed[0]
+        err = SaveError(f"save failed: {reason}", file=str(self.out_dir), rank=rank, hint=hint or guess)
+        if local is not None and mine == failed[0]:
+            raise err from local
+        raise err
+
+    # -- files ----------------------------------------------------------------------
+
+    def path(self, name: str) -> Path:
+        """The path of output file ``name`` inside the temporary directory."""
+        if not name or os.path.isabs(name) or ".." in Path(name).parts:
+            raise ValueError(f"output file name must be relative and inside the output: {name!r}")
+        return self.tmp_dir / name
+
+    def create_files(self, sizes: dict[str, int]) -> None:
+        """Collective: group rank 0 creates each file at its final size; agreed on every rank.
+
+        Args:
+            sizes: output file name (relative) -> size in bytes. Every rank passes the same.
+
+        Raises:
+            SaveError: on every rank, when any file cannot be created (permission, space).
+        """
+        local: BaseException | None = None
+        if self.rank == 0:
+            try:
+                for name, size in sizes.items():
+                    p = self.path(name)
+                    p.parent.mkdir(parents=True, exist_ok=True)
+                    fd = os.open(p, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+                    try:
+                        os.ftruncate(fd, size)
+                    finally:
+                        os.close(fd)
+            except BaseException as exc:  # noqa: BLE001 - agreed below, then raised on every rank
+                local = exc
+        self.agree(local)
+
+    def open(self, name: str) -> int:
+        """A write-only descriptor of output file ``name`` (made by ``create_files``).
+
+        The descriptor belongs to this ``Output``: ``finish`` fsyncs and closes it. Opening
+        the same name twice returns the same descriptor.
+        """
+        fd = self.fds.get(name)
+        if fd is None:
+            fd = os.open(self.path(name), os.O_WRONLY | os.O_CLOEXEC)
+            self.fds[name] = fd
+        return fd
+
+    def write_file(self, name: str, data: bytes) -> None:
+        """Writes a small whole file (an index, a config) on this rank; ``finish`` fsyncs it."""
+        p = self.path(name)
+        p.parent.mkdir(parents=True, exist_ok=True)
+        with open(p, "wb") as f:
+            f.write(data)
+
+    def shared(self) -> bool:
+        """Collective: True when every rank provably sees group rank 0's temporary directory.
+
+        Rank 0 writes a probe file holding a random token; every other rank opens it under
+        its own path to the directory, reads the token and compares the file's
+        (st_dev, st_ino) with rank 0's. All ranks agree on the answer. The probe is removed.
+        """
+        if self.group is None or dist.get_world_size(self.group) == 1:
+            return True
+        probe = self.tmp_dir / PROBE
+        ident: Any = None
+        if self.rank == 0:
+            token = secrets.token_hex(16)
+            try:
+                probe.write_text(token)
+                st = probe.stat()
+                ident = (token, st.st_dev, st.st_ino)
+            except OSError as exc:
+                ident = None
+                log.info("streamload: cannot write the probe file %s: %s", probe, exc)
+        ident = broadcast_object(ident, dist.get_global_rank(self.group, 0), self.group, self.device)
+        same = False
+        if ident is not None:
+            try:
+                fd = os.open(probe, os.O_RDONLY | os.O_CLOEXEC)
+                try:
+                    st = os.fstat(fd)
+                    token = os.pread(fd, 64, 0).decode()
+                finally:
+                    os.close(fd)
+                same = (token, st.st_dev, st.st_ino) == tuple(ident)
+            except (OSError, UnicodeDecodeError):
+                same = False
+        verdict = all(all_gather_object(same, self.group, self.device))
+        if self.rank == 0:
+            try:
+                probe.unlink()
+            except OSError:
+                pass
+        return verdict
+
+    # -- commit ---------------------------------------------------------------------
+
+    def _close_fds(self) -> BaseException | None:
+        """fsyncs and closes every descriptor ``open`` handed out; the first error, if any."""
+        first: BaseException | None = None
+        for fd in self.fds.values():
+            try:
+                os.fsync(fd)
+            except OSError as exc:
+                first = first or exc
+            try:
+                os.close(fd)
+            except OSError as exc:
+                first = first or exc
+        self.fds.clear()
+        return first
+
+    def _commit(self) -> None:
+        """On group rank 0: makes the temporary directory durable and renames it into place."""
+        _fsync_tree(self.tmp_dir)
+        target = self.out_dir
+        if not target.exists() and not target.is_symlink():
+            os.rename(self.tmp_dir, target)
+        elif target.is_dir() and not target.is_symlink():
+            if rename_exchange(self.tmp_dir, target):
+                old = self.tmp_dir  # after the exchange the old checkpoint sits at the temporary path
+            else:
+                # No atomic exchange here: rename the old target aside first. A crash between the
+                # two renames leaves the old checkpoint under the aside name, never a mix.
+                old = target.parent / f".{target.name}{OLD_TAG}{self.tmp_dir.name.rsplit('-', 1)[-1]}"
+                os.rename(target, old)
+                try:
+                    os.rename(self.tmp_dir, target)
+                except BaseException:
+                    os.rename(old, target)
+                    raise
+            _fsync_path(target.parent)
+            _remove(old)
+        else:
+            raise NotADirectoryError(
+                errno.ENOTDIR, "the save target exists and is not a directory", str(target)
+            )
+        _fsync_path(target.parent)
+
+    def finish(self, ok: bool = True, error: BaseException | None = None) -> None:
+        """Collective: commits the save, or removes it; every rank calls it exactly once.
+
+        Every rank fsyncs and closes its descriptors; the ranks then agree whether all writes
+        succeeded. If so, group rank 0 fsyncs the files and the directory and renames the
+        temporary directory into place (an existing target swapped atomically, the old one
+        removed). Otherwise (or if the commit fails) the temporary directory is removed and
+        every rank raises the same ``SaveError``.
+
+        Args:
+            ok: False when this rank's writes failed.
+            error: this rank's exception, if any (named in the error every rank raises).
+
+        Raises:
+            SaveError: on every rank, when any rank failed; the target is untouched.
+            KeyboardInterrupt, SystemExit: re-raised as-is on the rank where they happened,
+                after the agreement and the cleanup (the other ranks raise ``SaveError``).
+        """
+        if self.finished:
+            return
+        self.finished = True
+        local = error if error is not None else (None if ok else SaveError("this rank's writes failed"))
+        closed = self._close_fds()
+        local = local or closed
+        try:
+            try:
+                self.agree(local)
+            except SaveError:
+                self._discard()
+                raise
+            committed: BaseException | None = None
+            if self.rank == 0:
+                try:
+                    self._commit()
+                except BaseException as exc:  # noqa: BLE001 - agreed below
+                    committed = exc
+                    _remove(self.tmp_dir)
+            self.agree(committed)
+        except SaveError:
+            if isinstance(local, BaseException) and not isinstance(local, Exception):
+                raise local from None
+            raise
+
+    def _discard(self) -> None:
+        """Collective: group rank 0 removes the temporary directory; every rank waits for it."""
+        if self.rank == 0:
+            _remove(self.tmp_dir)
+        if self.group is not None and dist.get_world_size(self.group) > 1:
+            all_gather_object(None, self.group, self.device)
+
+    def __enter__(self) -> Output:
+        return self
+
+    def __exit__(
+        self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        # An exception in the body is this rank's failure: agree on it and clean up (finish
+        # raises the agreed error, chained to it); a clean exit commits.
+        self.finish(ok=exc is None, error=exc)
+
+
+def open_output(
+    out_dir: str | os.PathLike, group: dist.ProcessGroup | None = None, device: torch.device | None = None
+) -> Output:
+    """Collective: makes the save's temporary sibling directory; returns the ``Output``.
+
+    Group rank 0 draws a random id, broadcasts it (every rank must use the same directory)
+    and creates ``<parent>/.<name>.streamload-tmp-<id>`` (the parent is created if missing);
+    the result is agreed, so a failure is a ``SaveError`` on every rank.
+
+    Args:
+        out_dir: the checkpoint directory the save produces (replaced if it exists).
+        group: the save's process group (None: one process, or the default group when
+            torch.distributed is initialized).
+        device: where the agreements' objects travel (default: CPU for gloo groups, the
+            current CUDA device otherwise).
+
+    Returns:
+        The ``Output``; call ``finish`` (or use it as a context manager) on every rank.
+
+    Example:
+        >>> with open_output("out/model", group) as out:
+        ...     out.create_files({"model.safetensors": size})
+        ...     os.pwrite(out.open("model.safetensors"), data, offset)
+    """
+    if group is None and dist.is_available() and dist.is_initialized():
+        group = dist.group.WORLD
+    wire = device if device is not None else _wire_device(group)
+    target = Path(os.path.abspath(os.fspath(out_dir)))
+    token = secrets.token_hex(8) if _group_rank(group) == 0 else None
+    if group is not None and dist.get_world_size(group) > 1:
+        token = broadcast_object(token, dist.get_global_rank(group, 0), group, wire)
+    tmp = target.parent / f".{target.name}{TMP_TAG}{token}"
+    out = Output(target, tmp, group, wire)
+    local: BaseException | None = None
+    if out.rank == 0:
+        try:
+            if target.exists() and not target.is_dir():
+                raise NotADirectoryError(
+                    errno.ENOTDIR, "the save target exists and is not a directory", str(target)
+                )
+            target.parent.mkdir(parents=True, exist_ok=True)
+            tmp.mkdir()
+        except BaseException as exc:  # noqa: BLE001 - agreed below
+            local = exc
+    try:
+        out.agree(local)
+    except SaveError:
+        out.finished = True
+        if out.rank == 0 and tmp.exists():
+            _remove(tmp)
+        raise
+    return out
