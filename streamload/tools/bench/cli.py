@@ -12,6 +12,7 @@ from typing import Any
 
 from .cold import cold_table, disk_bandwidth, median_rows
 from .runner import run_strategy
+from .save import SAVE_STRATEGIES, SAVERS, run_save
 from .strategies import STRATEGIES, keyword_annotation, load_keywords
 from .table import markdown_table, median_of, write_jsonl
 
@@ -95,7 +96,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gb", type=float, default=0.1, help="size of a generated checkpoint")
     p.add_argument("--experts", type=int, default=64, help="experts per layer of a generated MoE checkpoint")
     p.add_argument("--ranks", type=int, nargs="+", default=[2, 4])
-    p.add_argument("--strategies", nargs="+", default=None, choices=sorted(STRATEGIES))
+    p.add_argument("--strategies", nargs="+", default=None, choices=sorted(set(STRATEGIES) | set(SAVERS)))
+    p.add_argument(
+        "--save",
+        action="store_true",
+        help="measure saving instead: each rank group loads the checkpoint once, then every save strategy "
+        f"({', '.join(SAVE_STRATEGIES)}) writes it as a Hugging Face checkpoint (docs/benchmarks.md, Save)",
+    )
+    p.add_argument(
+        "--save-dir",
+        default=None,
+        help="with --save: where the outputs are written (its file system is the one measured; "
+        "default: a temporary directory under --out)",
+    )
+    p.add_argument("--max-shard-size", default="5GB", help="with --save: every strategy's max_shard_size")
     p.add_argument(
         "--cold",
         action="store_true",
@@ -136,6 +150,11 @@ def run(args: argparse.Namespace) -> int:
                 path, args.model_type, config=sized_config(args.model_type, args.gb, tie=True, **kw)
             )
         ckpt = str(path)
+    if args.save:
+        return run_save(args, ckpt, label)
+    unknown = [s for s in args.strategies or [] if s not in STRATEGIES]
+    if unknown:
+        raise SystemExit(f"unknown load strategies {unknown} (save strategies need --save)")
     os.makedirs(args.out, exist_ok=True)
     opts: dict[str, Any] = {"bucket_bytes": args.bucket_mib << 20} if args.bucket_mib else {}
     if args.read_mode:

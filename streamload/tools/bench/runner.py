@@ -21,6 +21,7 @@ import tempfile
 import threading
 import time
 import traceback
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -325,7 +326,8 @@ class BenchGroup:
     README); the demo shares one group to stay quick.
     """
 
-    def __init__(self, world: int) -> None:
+    def __init__(self, world: int, worker: Callable[..., None] | None = None) -> None:
+        """``worker``: each rank's loop (default: the load bench's; ``save.py`` brings its own)."""
         ctx = mp.get_context("spawn")
         fd, self.init_file = tempfile.mkstemp(prefix="streamload_bench_pg_")
         os.close(fd)
@@ -336,7 +338,9 @@ class BenchGroup:
         self.results = ctx.Queue()
         self.procs = [
             ctx.Process(
-                target=_worker, args=(r, world, self.init_file, self.commands[r], self.results), daemon=True
+                target=worker or _worker,
+                args=(r, world, self.init_file, self.commands[r], self.results),
+                daemon=True,
             )
             for r in range(world)
         ]
