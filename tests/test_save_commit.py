@@ -1,0 +1,317 @@
+"""The save's atomic output (streamload.save.commit): a checkpoint appears only whole, an
+existing one is replaced atomically, and a failure on any rank is one SaveError on every rank
+with the target untouched and no temporary directory left.
+
+Single-process tests first, then 3 gloo ranks (tests/cases_save_commit.py). Permission
+denied runs in a child without root's CAP_DAC_OVERRIDE (setpriv); disk full runs against a
+real 64 KiB tmpfs where this process may mount one, and by injection (ENOSPC from os.pwrite)
+everywhere."""
+
+from __future__ import annotations
+
+import errno
+import os
+import shutil
+import stat
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+
+import cases_save_commit as cases
+import pytest
+
+from streamload.errors import SaveError
+from streamload.save import commit
+from streamload.save.commit import open_output
+
+WORLD = 3
+
+
+def _leftovers(parent: Path) -> list[str]:
+    return sorted(p.name for p in parent.iterdir() if commit.TMP_TAG in p.name or commit.OLD_TAG in p.name)
+
+
+def _snapshot(root: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def _old_checkpoint(target: Path) -> dict[str, bytes]:
+    target.mkdir(parents=True)
+    (target / "model.safetensors").write_bytes(b"old weights" * 100)
+    (target / "config.json").write_text('{"old": 1}')
+    return _snapshot(target)
+
+
+# -- one process ----------------------------------------------------------------------
+
+
+def test_single_process_commit(tmp_path: Path) -> None:
+    target = tmp_path / "out" / "ckpt"  # the parent is created too
+    with open_output(target) as out:
+        assert out.tmp_dir.parent == target.parent and out.tmp_dir.name.startswith(".ckpt" + commit.TMP_TAG)
+        out.create_files({"a.safetensors": 8, "sub/b.bin": 3})
+        os.pwrite(out.open("a.safetensors"), b"abcd", 4)
+        os.pwrite(out.open("sub/b.bin"), b"xyz", 0)
+        out.write_file("config.json", b"{}")
+        assert not target.exists()  # nothing under the target's name before the commit
+    assert _snapshot(target) == {"a.safetensors": b"\0\0\0\0abcd", "sub/b.bin": b"xyz", "config.json": b"{}"}
+    assert _leftovers(target.parent) == []
+
+
+@pytest.mark.parametrize("exchange", [True, False], ids=["renameat2", "rename-aside"])
+def test_replaces_existing_target(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, exchange: bool) -> None:
+    target = tmp_path / "ckpt"
+    _old_checkpoint(target)
+    (target / "model-00001-of-00002.safetensors").write_bytes(b"stale shard")
+    if not exchange:
+        monkeypatch.setattr(commit, "rename_exchange", lambda src, dst: False)
+    with open_output(target) as out:
+        out.create_files({"model.safetensors": 3})
+        os.pwrite(out.open("model.safetensors"), b"new", 0)
+    # The whole directory is replaced: a stale shard of the old checkpoint does not survive.
+    assert _snapshot(target) == {"model.safetensors": b"new"}
+    assert _leftovers(tmp_path) == []
+
+
+def test_rename_exchange_swaps(tmp_path: Path) -> None:
+    a, b = tmp_path / "a", tmp_path / "b"
+    a.mkdir()
+    b.mkdir()
+    (a / "x").write_text("a")
+    (b / "x").write_text("b")
+    assert commit.rename_exchange(a, b)  # Linux with renameat2: the swap itself, atomic
+    assert (a / "x").read_text() == "b" and (b / "x").read_text() == "a"
+    with pytest.raises(FileNotFoundError):
+        commit.rename_exchange(tmp_path / "missing", b)
+
+
+def test_failure_leaves_target_untouched(tmp_path: Path) -> None:
+    target = tmp_path / "ckpt"
+    before = _old_checkpoint(target)
+    with pytest.raises(SaveError) as info:
+        with open_output(target) as out:
+            out.create_files({"model.safetensors": 16})
+            os.pwrite(out.open("model.safetensors"), b"half", 0)
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    err = info.value
+    assert err.rank == 0 and "No space left on device" in str(err) and "is full" in (err.hint or "")
+    assert isinstance(err.__cause__, OSError)
+    assert _snapshot(target) == before
+    assert _leftovers(tmp_path) == []
+
+
+def test_commit_failure_cleans_up(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    target = tmp_path / "ckpt"
+    before = _old_checkpoint(target)
+
+    def refuse(src: object, dst: object) -> bool:
+        raise OSError(errno.EIO, os.strerror(errno.EIO))
+
+    monkeypatch.setattr(commit, "rename_exchange", refuse)
+    with pytest.raises(SaveError, match="Input/output error"):
+        with open_output(target) as out:
+            out.create_files({"model.safetensors": 1})
+    assert _snapshot(target) == before
+    assert _leftovers(tmp_path) == []
+
+
+def test_target_is_a_file(tmp_path: Path) -> None:
+    target = tmp_path / "ckpt"
+    target.write_text("not a directory")
+    with pytest.raises(SaveError, match="not a directory"):
+        open_output(target)
+    assert target.read_text() == "not a directory" and _leftovers(tmp_path) == []
+
+
+def test_interrupt_single_process(tmp_path: Path) -> None:
+    target = tmp_path / "ckpt"
+    with pytest.raises(KeyboardInterrupt):
+        with open_output(target) as out:
+            out.create_files({"model.safetensors": 4})
+            raise KeyboardInterrupt
+    assert not target.exists() and _leftovers(tmp_path) == []
+
+
+def test_bad_names_refused(tmp_path: Path) -> None:
+    out = open_output(tmp_path / "ckpt")
+    for name in ("../escape", "/abs", ""):
+        with pytest.raises(ValueError):
+            out.path(name)
+    out.finish()
+
+
+CHILD = r"""
+import json, os, sys
+from streamload.errors import SaveError
+from streamload.save.commit import open_output
+try:
+    with open_output(sys.argv[1]) as out:
+        out.create_files({"model.safetensors": 4})
+    print(json.dumps({"raised": None}))
+except SaveError as exc:
+    print(json.dumps({"raised": "SaveError", "text": str(exc), "rank": exc.rank}))
+"""
+
+
+def _unprivileged() -> list[str]:
+    if os.geteuid() != 0:
+        return []
+    setpriv = shutil.which("setpriv")
+    if setpriv is None:
+        pytest.skip("running as root without setpriv: cannot make a directory read-only for this process")
+    return [setpriv, "--inh-caps=-dac_override", "--bounding-set=-dac_override"]
+
+
+def test_permission_denied(tmp_path: Path) -> None:
+    """A read-only parent: the temporary directory cannot be made; SaveError says so, the
+    existing checkpoint there is untouched."""
+    import json
+
+    parent = tmp_path / "ro"
+    target = parent / "ckpt"
+    before = _old_checkpoint(target)
+    parent.chmod(stat.S_IRUSR | stat.S_IXUSR | stat.S_IRGRP | stat.S_IXGRP | stat.S_IROTH | stat.S_IXOTH)
+    try:
+        proc = subprocess.run(
+            [*_unprivileged(), sys.executable, "-c", CHILD, str(target)],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+    finally:
+        parent.chmod(stat.S_IRWXU)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert got["raised"] == "SaveError" and "Permission denied" in got["text"], got
+    assert "cannot write to" in got["text"]
+    assert _snapshot(target) == before and _leftovers(parent) == []
+
+
+@pytest.fixture(scope="module")
+def tiny_fs(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A 64 KiB tmpfs, where this process may mount one (root in a container that allows it)."""
+    where = tmp_path_factory.mktemp("tiny")
+    proc = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(where)], capture_output=True
+    )
+    if proc.returncode != 0:
+        pytest.skip(
+            f"cannot mount a tmpfs here ({proc.stderr.decode().strip()}): disk full is tested by injection"
+        )
+    yield where
+    subprocess.run(["umount", str(where)], check=False)
+
+
+def test_disk_full_real(tiny_fs: Path) -> None:
+    target = tiny_fs / "ckpt"
+    before = _old_checkpoint(target)
+    with pytest.raises(SaveError) as info:
+        with open_output(target) as out:
+            out.create_files({"model.safetensors": 1 << 20})  # sized sparse: only the writes need space
+            fd = out.open("model.safetensors")
+            for off in range(0, 1 << 20, 1 << 16):
+                os.pwrite(fd, b"\1" * (1 << 16), off)
+    assert "No space left on device" in str(info.value) and "is full" in (info.value.hint or "")
+    assert _snapshot(target) == before and _leftovers(tiny_fs) == []
+
+
+# -- 3 gloo ranks ---------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def group3():
+    from rank_group import RankGroup
+
+    g = RankGroup(WORLD)
+    yield g
+    g.close()
+
+
+def _target(tmp_path: Path) -> Path:
+    return tmp_path / f"ckpt-{uuid.uuid4().hex[:6]}"
+
+
+def test_ranks_commit(group3, tmp_path: Path) -> None:
+    target = _target(tmp_path)
+    before = _old_checkpoint(target)
+    assert before
+    got = group3.run(cases.case_save, timeout=60, target=str(target))
+    assert [g["raised"] for g in got] == [None] * WORLD, got
+    assert _snapshot(target) == {"data.bin": cases.expected(WORLD), "index.json": b'{"ok": true}'}
+    assert _leftovers(tmp_path) == []
+
+
+def test_ranks_same_tmp_and_shared(group3, tmp_path: Path) -> None:
+    got = group3.run(cases.case_same_tmp, timeout=60, target=str(_target(tmp_path)))
+    assert len({g["tmp"] for g in got}) == 1 and all(g["shared"] for g in got), got
+    assert not any(g["probe_left"] for g in got)
+
+
+def test_ranks_not_shared(group3, tmp_path: Path) -> None:
+    got = group3.run(cases.case_not_shared, timeout=60, root=str(tmp_path))
+    assert [g["shared"] for g in got] == [False] * WORLD
+
+
+@pytest.mark.parametrize(
+    "fail,fail_rank,words",
+    [
+        ("enospc", 1, "No space left on device"),
+        ("enospc", 0, "No space left on device"),
+        ("fsync", 2, "Input/output error"),
+        ("rename", 0, "Input/output error"),
+    ],
+)
+def test_ranks_failure_agreed(group3, tmp_path: Path, fail: str, fail_rank: int, words: str) -> None:
+    target = _target(tmp_path)
+    before = _old_checkpoint(target)
+    got = group3.run(cases.case_save, timeout=60, target=str(target), fail=fail, fail_rank=fail_rank)
+    assert [g["raised"] for g in got] == ["SaveError"] * WORLD, got
+    assert len({g["text"] for g in got}) == 1, got  # the same error on every rank
+    assert all(g["rank"] == fail_rank and words in g["text"] for g in got), got
+    assert words in got[fail_rank]["cause"]  # chained to the failing rank's own exception
+    assert _snapshot(target) == before
+    assert _leftovers(tmp_path) == []
+
+
+def test_ranks_rename_aside(group3, tmp_path: Path) -> None:
+    target = _target(tmp_path)
+    _old_checkpoint(target)
+    got = group3.run(cases.case_save, timeout=60, target=str(target), fail="no-exchange")
+    assert [g["raised"] for g in got] == [None] * WORLD, got
+    assert _snapshot(target)["data.bin"] == cases.expected(WORLD)
+    assert _leftovers(tmp_path) == []
+
+
+@pytest.mark.parametrize("fail_rank", [1, 0])
+def test_ranks_interrupt(group3, tmp_path: Path, fail_rank: int) -> None:
+    """KeyboardInterrupt mid-write on one rank: it re-raises the interrupt after cleaning up,
+    the others raise SaveError naming it; nobody hangs (the run's timeout is the proof)."""
+    target = _target(tmp_path)
+    before = _old_checkpoint(target)
+    got = group3.run(cases.case_save, timeout=60, target=str(target), fail="interrupt", fail_rank=fail_rank)
+    assert got[fail_rank]["raised"] == "KeyboardInterrupt", got
+    others = [g for r, g in enumerate(got) if r != fail_rank]
+    assert all(g["raised"] == "SaveError" and g["rank"] == fail_rank for g in others), got
+    assert "KeyboardInterrupt" in others[0]["text"]
+    assert _snapshot(target) == before and _leftovers(tmp_path) == []
+
+
+def test_ranks_bad_target(group3, tmp_path: Path) -> None:
+    target = _target(tmp_path)
+    target.write_text("a file")
+    got = group3.run(cases.case_bad_target, timeout=60, target=str(target))
+    assert [g["raised"] for g in got] == ["SaveError"] * WORLD and all(g["rank"] == 0 for g in got), got
+    assert target.read_text() == "a file" and _leftovers(tmp_path) == []
+
+
+def test_ranks_disk_full_real(group3, tiny_fs: Path) -> None:
+    """Every rank writes its slice into a tmpfs too small for all of them: the rank whose
+    write hits ENOSPC is named on every rank and the old checkpoint survives."""
+    target = tiny_fs / f"ckpt-{uuid.uuid4().hex[:6]}"
+    before = _old_checkpoint(target)
+    got = group3.run(cases.case_save_big, timeout=60, target=str(target))
+    assert [g["raised"] for g in got] == ["SaveError"] * WORLD, got
+    assert len({g["text"] for g in got}) == 1 and "No space left on device" in got[0]["text"], got
+    assert _snapshot(target) == before and _leftovers(tiny_fs) == []
+    shutil.rmtree(target)
