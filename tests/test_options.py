@@ -62,3 +62,23 @@ def test_a_malformed_override_fails_the_load_before_the_stream(
     monkeypatch.setenv(name, "sometimes")
     with pytest.raises(ValueError, match=name):
         streamload.load_checkpoint(nn.Linear(2, 3, bias=False), tmp_path)
+
+
+def test_from_pretrained_passes_threads_to_the_load(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``threads`` reaches both the reader's open and the load's options (ranks that read their
+    own shards open their files with ``LoadOptions.threads``)."""
+    import streamload
+    from streamload.integrations import pretrained
+    from streamload.tools.synthetic import make_checkpoint
+
+    ckpt = make_checkpoint(tmp_path / "ckpt", "qwen2", seed=1, layers=1, vocab=32)
+    seen: dict[str, object] = {}
+    run_load = pretrained.run_load
+
+    def recording(model, path, options, opened):  # type: ignore[no-untyped-def]
+        seen["threads"] = options.threads
+        return run_load(model, path, options, opened)
+
+    monkeypatch.setattr(pretrained, "run_load", recording)
+    streamload.from_pretrained(ckpt, threads=1)
+    assert seen == {"threads": 1}

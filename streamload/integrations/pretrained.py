@@ -202,7 +202,7 @@ def from_pretrained(
         bcast_device,
         empty,
         load_kwargs.get("read_mode", "auto"),  # kept: ranks that read their own shards open with it too
-        load_kwargs.pop("threads", None),
+        load_kwargs.get("threads"),  # kept too: ranks that read their own shards use it
         extra=lambda: _read_configs(Path(path)),
         drop_cache=bool(load_kwargs.get("drop_cache", False)),
         direct_io=load_kwargs.get("direct_io"),
