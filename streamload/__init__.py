@@ -27,6 +27,7 @@ from .integrations.pretrained import from_pretrained
 from .io.checkpoint import Checkpoint, LazyCheckpoint, TensorInfo
 from .load.driver import load_checkpoint
 from .report import LoadReport
+from .save.driver import SaveReport, save_pretrained
 
 __version__ = "0.1.0"
 
@@ -45,6 +46,7 @@ __all__ = [
     "ModelMismatchError",
     "PlacementError",
     "RemoteRankError",
+    "SaveReport",
     "ShapeMismatchError",
     "StreamloadError",
     "TensorInfo",
@@ -57,4 +59,5 @@ __all__ = [
     "from_pretrained",
     "fsdp2_load_full_state_dict",
     "load_checkpoint",
+    "save_pretrained",
 ]

@@ -1,0 +1,195 @@
+"""save_pretrained: an FSDP2 / TP / EP (or plain) model written as transformers'
+own ``save_pretrained`` of the gathered model would write it, every rank
+writing its own bytes, in one pass, atomically."""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..errors import SaveError
+from .commit import open_output
+from .layout import INDEX_NAME, Layout, output_layout, saved_config
+from .plan import SavePlan, plan_save
+from .write import WriteStats, write_headers, write_owners
+
+WRITERS = ("auto", "owners", "src")
+DEFAULT_BUCKET_BYTES = 64 << 20
+
+
+@dataclass
+class SaveReport:
+    """What one save did, on this rank.
+
+    Attributes:
+        bytes_written: bytes this rank wrote (tensor data, plus headers and small files on
+            the rank that writes them).
+        files: the output files (safetensors, index, configs), relative to the directory.
+        seconds: wall time of the whole save.
+        writers: the writer mode used (``"owners"`` or ``"src"``).
+        phases: seconds per phase (layout, plan, open, write, commit).
+        peak_buffer_bytes: the largest host buffer the writer held at once (at most the bucket).
+        writes: write calls this rank made.
+    """
+
+    bytes_written: int = 0
+    files: list[str] = field(default_factory=list)
+    seconds: float = 0.0
+    writers: str = ""
+    phases: dict[str, float] = field(default_factory=dict)
+    peak_buffer_bytes: int = 0
+    writes: int = 0
+
+
+def _group(process_group: dist.ProcessGroup | None, device_mesh: Any) -> dist.ProcessGroup | None:
+    if process_group is not None:
+        return process_group
+    if device_mesh is not None and device_mesh.ndim == 1:
+        return device_mesh.get_group()
+    if dist.is_available() and dist.is_initialized():
+        return dist.group.WORLD
+    return None
+
+
+class _Clock:
+    def __init__(self) -> None:
+        self.start = self.last = time.perf_counter()
+        self.phases: dict[str, float] = {}
+
+    def mark(self, name: str) -> None:
+        now = time.perf_counter()
+        self.phases[name] = self.phases.get(name, 0.0) + now - self.last
+        self.last = now
+
+
+def _small_files(
+    model: nn.Module, config: Any, dtype: torch.dtype | None, layout: Layout, tmp: str
+) -> list[str]:
+    """Index, config.json and generation_config.json, written by one rank; returns their names."""
+    names = []
+    if layout.index is not None:
+        with open(os.path.join(tmp, INDEX_NAME), "wb") as f:
+            f.write(layout.index)
+        names.append(INDEX_NAME)
+    cfg = saved_config(model, config, dtype)
+    if cfg is not None and hasattr(cfg, "save_pretrained"):
+        cfg.save_pretrained(tmp)
+        names.append("config.json")
+    gen = getattr(model, "generation_config", None)
+    can_generate = getattr(model, "can_generate", None)
+    if gen is not None and callable(can_generate) and can_generate():
+        gen.save_pretrained(tmp)
+        names.append("generation_config.json")
+    return names
+
+
+def _write(
+    mode: str, plan: SavePlan, layout: Layout, fds: dict[str, int], bucket_bytes: int, group: Any
+) -> WriteStats:
+    if mode == "owners":
+        return write_owners(plan, layout, fds, bucket_bytes)
+    from . import write as writers
+
+    write_src = getattr(writers, "write_src", None)
+    if write_src is None:
+        raise SaveError("writers='src' is not available in this build")
+    return write_src(plan, layout, fds, bucket_bytes, group)  # type: ignore[no-any-return]
+
+
+def save_pretrained(
+    model: nn.Module,
+    out_dir: str | os.PathLike,
+    *,
+    dtype: torch.dtype | None = None,
+    max_shard_size: int | str = "5GB",
+    writers: str = "auto",
+    process_group: dist.ProcessGroup | None = None,
+    device_mesh: Any = None,
+    config: Any = None,
+    progress: bool | None = None,
+    bucket_bytes: int | None = None,
+) -> SaveReport:
+    """Writes ``model`` as the Hugging Face checkpoint transformers' ``save_pretrained``
+    writes for the same gathered model; collective over the save's group.
+
+    No rank gathers a full tensor: the layout (names, files, offsets, headers) is planned
+    from global shapes on every rank, and each rank writes the bytes of its own shards
+    (one replica of replicated ones) through a bucket-sized buffer. The directory appears
+    only after every rank's writes succeeded (temporary sibling directory, fsync, rename);
+    an existing ``out_dir`` is replaced atomically.
+
+    Args:
+        model: the model (FSDP2 / DTensor parameters, or a plain module).
+        out_dir: the checkpoint directory to write (created or replaced).
+        dtype: cast floating-point tensors to this dtype on the way out (torch's rounding).
+        max_shard_size: largest file before splitting, as transformers' ``max_shard_size``.
+        writers: ``"owners"`` (every rank writes into the files; one file system every
+            rank sees), ``"src"`` (one rank writes, the others send their pieces) or
+            ``"auto"`` (owners when every rank sees the temporary directory, else src).
+        process_group: the save's group (default: the 1-D ``device_mesh``'s group, else the
+            default group when torch.distributed is initialized, else one process).
+        device_mesh: the model's mesh (only used to find the group).
+        config: the config to write (default ``model.config``).
+        progress: reserved for a progress bar (the save logs nothing by default).
+        bucket_bytes: host buffer bytes per rank (default 64 MiB).
+
+    Returns:
+        SaveReport for this rank.
+
+    Raises:
+        SaveError: on every rank when any rank failed; ``out_dir`` is left as it was.
+
+    Example:
+        >>> model = streamload.from_pretrained("Qwen/Qwen2.5-0.5B-local")
+        >>> streamload.save_pretrained(model, "out/qwen", max_shard_size="1GB")
+    """
+    del progress
+    if writers not in WRITERS:
+        raise ValueError(f"writers must be one of {WRITERS}, not {writers!r}")
+    clock = _Clock()
+    group = _group(process_group, device_mesh)
+    rank = dist.get_rank(group) if group is not None else 0
+    bucket = int(bucket_bytes) if bucket_bytes else DEFAULT_BUCKET_BYTES
+    report = SaveReport()
+    out = open_output(out_dir, group)
+    clock.mark("open")
+    try:
+        local: BaseException | None = None
+        try:
+            layout = output_layout(model, dtype=dtype, max_shard_size=max_shard_size)
+            clock.mark("layout")
+            plan = plan_save(model, layout, rank)
+            clock.mark("plan")
+        except Exception as exc:  # noqa: BLE001 - agreed below: the same error on every rank
+            local = exc
+        out.agree(local)
+        out.create_files({f.name: f.size for f in layout.files})
+        mode = writers if writers != "auto" else ("owners" if out.shared() else "src")
+        report.writers = mode
+        fds = {f.name: out.open(f.name) for f in layout.files}
+        stats = _write(mode, plan, layout, fds, bucket, group)
+        report.bytes_written += stats.bytes_written
+        report.writes = stats.writes
+        report.peak_buffer_bytes = stats.peak_buffer_bytes
+        report.files = [f.name for f in layout.files]
+        small: list[str] = []
+        if rank == 0:
+            report.bytes_written += write_headers(layout, fds)
+            small = _small_files(model, config, dtype, layout, str(out.tmp_dir))
+        report.files += [INDEX_NAME] if layout.index is not None else []
+        report.files += [n for n in small if n != INDEX_NAME]
+        clock.mark("write")
+    except BaseException as exc:
+        out.finish(ok=False, error=exc)
+        raise
+    out.finish(ok=True)
+    clock.mark("commit")
+    report.phases = clock.phases
+    report.seconds = time.perf_counter() - clock.start
+    return report
