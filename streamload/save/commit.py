@@ -39,7 +39,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..errors import SaveError
+from ..errors import RemoteRankError, SaveError
 from ..transport.collectives import all_gather_object, broadcast_object
 from ..transport.protocol import carries_cpu
 
@@ -178,12 +178,14 @@ class Output:
         """
         mine = None
         if local is not None:
-            mine = (self.global_rank, *_describe(local), _hint(local, self.out_dir.parent))
+            # A RemoteRankError only says this rank stopped for another's failure: name that one.
+            waiting = isinstance(local, RemoteRankError)
+            mine = (waiting, self.global_rank, *_describe(local), _hint(local, self.out_dir.parent))
         gathered = all_gather_object(mine, self.group, self.device)
-        failed = [g for g in gathered if g is not None]
+        failed = sorted((g for g in gathered if g is not None), key=lambda g: (g[0], g[1]))
         if not failed:
             return
-        rank, reason, hint, guess = failed[0]
+        _waiting, rank, reason, hint, guess = failed[0]
         err = SaveError(f"save failed: {reason}", file=str(self.out_dir), rank=rank, hint=hint or guess)
         if local is not None and mine == failed[0]:
             raise err from local
