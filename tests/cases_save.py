@@ -1,0 +1,106 @@
+"""Save cases run inside the rank group (see rank_group.py): each is called on all
+ranks; ranks outside the case's world size return None at once."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import warnings
+from typing import Any
+
+import torch
+from cases_load import full, mesh_for, reference, subgroup
+from safetensors.torch import load_file
+
+import streamload
+from streamload.io.copy_ops import bit_view as bits
+
+
+def _files(d: str) -> dict[str, bytes]:
+    return {f: open(os.path.join(d, f), "rb").read() for f in sorted(os.listdir(d))}
+
+
+def _one_step(model: torch.nn.Module) -> None:
+    ids = torch.arange(12).reshape(2, 6) % 64
+    model.train()
+    model(input_ids=ids).logits.float().pow(2).mean().backward()
+    torch.optim.SGD(model.parameters(), lr=0.5).step()
+    model.eval()
+
+
+def _fulls(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {n: full(p).detach().clone() for n, p in model.named_parameters()}
+
+
+def _equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(bits(a), bits(b))
+
+
+def case_round_trip(
+    rank: int,
+    world: int,
+    *,
+    ckpt: str,
+    ws: int,
+    out: str,
+    load_dtype: torch.dtype | None = None,
+    save_dtype: torch.dtype | None = None,
+    max_shard_size: str = "24KB",
+    bucket_bytes: int = 4096,
+    step: bool = False,
+) -> dict[str, Any] | None:
+    """load -> (step) -> streamload.save_pretrained -> checks against transformers' own save."""
+    mesh = mesh_for(ws)
+    if mesh is None:
+        return None
+    group = subgroup(ws)
+    model = streamload.from_pretrained(ckpt, device_mesh=mesh, dtype=load_dtype, progress=False)
+    if step:
+        _one_step(model)
+    rep = streamload.save_pretrained(
+        model,
+        out,
+        dtype=save_dtype,
+        max_shard_size=max_shard_size,
+        process_group=group,
+        bucket_bytes=bucket_bytes,
+    )
+    fulls = _fulls(model)
+    want = {
+        n: t.to(save_dtype) if save_dtype is not None and t.is_floating_point() else t
+        for n, t in fulls.items()
+    }
+    result: dict[str, Any] = {"report": rep, "largest": max(t.nbytes for t in fulls.values())}
+    if rank == 0:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            # (a) transformers reads the output back as the model's own tensors.
+            from transformers import AutoModelForCausalLM
+
+            back = AutoModelForCausalLM.from_pretrained(out, dtype="auto")
+            bad = [n for n, p in back.named_parameters() if not _equal(p.detach(), want[n])]
+            assert not bad, f"transformers reads back different tensors: {bad}"
+            # (b, c) transformers' own save of the gathered model: the same files, byte for byte.
+            ref = reference(ckpt, load_dtype)
+            with torch.no_grad():
+                for n, p in ref.named_parameters():
+                    p.copy_(fulls[n])
+            if save_dtype is not None:
+                ref = ref.to(save_dtype)
+            ref_dir = tempfile.mkdtemp(prefix="streamload_refsave_")
+            ref.save_pretrained(ref_dir, max_shard_size=max_shard_size)
+        mine, theirs = _files(out), _files(ref_dir)
+        assert sorted(mine) == sorted(theirs), (sorted(mine), sorted(theirs))
+        for f in theirs:
+            if f.endswith(".safetensors"):
+                a, b = load_file(os.path.join(out, f)), load_file(os.path.join(ref_dir, f))
+                assert sorted(a) == sorted(b), f
+                diff = [k for k in a if not _equal(a[k], b[k])]
+                assert not diff, f"{f}: tensors differ from transformers' save: {diff}"
+            assert mine[f] == theirs[f], f"{f} differs from transformers' save"
+        result["files"] = sorted(mine)
+    # (d) streamload loads its own output bit-exactly.
+    again = streamload.from_pretrained(out, device_mesh=mesh, progress=False)
+    bad = [n for n, t in _fulls(again).items() if not _equal(t, want[n])]
+    assert not bad, f"streamload reloads different tensors: {bad}"
+    return result
