@@ -22,6 +22,7 @@ import argparse
 import gc
 import importlib
 import os
+import queue
 import shutil
 import statistics
 import tempfile
@@ -243,6 +244,7 @@ def _verify(model: nn.Module, out: str, ckpt: str, dtype: torch.dtype, rank: int
             "hub_names": None,
             "extra_keys": [],
             "missing_keys": [],
+            "key_counts": (0, 0),
         }
     bad = []
     for name, t in model.state_dict().items():
@@ -265,6 +267,7 @@ def _verify(model: nn.Module, out: str, ckpt: str, dtype: torch.dtype, rank: int
         # e.g. a tied head written twice, or fused expert names where the hub has per-expert ones
         "extra_keys": sorted(got - want)[:20],
         "missing_keys": sorted(want - got)[:20],
+        "key_counts": (len(got - want), len(want - got)),
     }
 
 
@@ -358,6 +361,8 @@ class SaveResult:
     hub_names: bool | None = None  # its key names are the source checkpoint's
     extra_keys: list[str] = field(default_factory=list)  # in the output, not in the source (first 20)
     missing_keys: list[str] = field(default_factory=list)  # in the source, not in the output (first 20)
+    extra_key_count: int = 0
+    missing_key_count: int = 0
     mismatched: list[str] = field(default_factory=list)
     phases: dict[str, float] = field(default_factory=dict)  # rank 0's SaveReport.phases (streamload)
     timeline: list[tuple[float, int]] = field(default_factory=list)
@@ -420,11 +425,12 @@ class SaveGroup:
                 v = group._expect("verified", deadline)[0]
                 res.mismatched, res.loadable, res.hub_names = v["mismatched"], v["loadable"], v["hub_names"]
                 res.phases, res.extra_keys, res.missing_keys = v["phases"], v["extra_keys"], v["missing_keys"]
+                res.extra_key_count, res.missing_key_count = v["key_counts"]
                 res.correct = res.loadable and not res.mismatched
             group._expect("done", deadline)
         except _StrategyFailed as exc:
             res.ok, res.error = False, str(exc)
-            self._replace()
+            self._settle(min(deadline, time.time() + 30))
         except Exception as exc:  # queue.Empty: a rank that never answered
             res.ok, res.error = False, f"timed out after {timeout}s ({type(exc).__name__})"
             self._replace()
@@ -432,6 +438,18 @@ class SaveGroup:
             if sampler is not None:
                 sampler.stop()
         return res
+
+    def _settle(self, deadline: float) -> None:
+        """After a failure: waits until every rank is out of the strategy (a failure raised on every
+        rank, as streamload's SaveError is, leaves the group usable); ranks that never come out are
+        stuck in a collective and are replaced."""
+        done = len(self.group._inbox.get("done", []))
+        try:
+            while done < self.world:
+                kind, _ = self.group.results.get(timeout=max(0.1, deadline - time.time()))
+                done += kind == "done"
+        except queue.Empty:
+            self._replace()
 
     def _replace(self) -> None:
         self.group.close(kill=True)
@@ -469,8 +487,10 @@ def _names(d: dict[str, Any]) -> str:
     if d["hub_names"]:
         return "yes"
     extra, missing = d.get("extra_keys", []), d.get("missing_keys", [])
-    first = (extra or missing or [""])[0]
-    return f"no (+{len(extra)} -{len(missing)}: {'+' if extra else '-'}{first})"
+    first = f"+{extra[0]}" if extra else f"-{missing[0]}" if missing else ""
+    return (
+        f"no (+{d.get('extra_key_count', len(extra))} -{d.get('missing_key_count', len(missing))}: {first})"
+    )
 
 
 def save_table(rows: Sequence[dict[str, Any]], group_keys: Sequence[str], baseline: str = "rank0") -> str:

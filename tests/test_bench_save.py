@@ -1,0 +1,131 @@
+"""`streamload bench --save` end to end on a tiny checkpoint with 2 ranks, and its measuring parts."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from streamload.tools.bench.save import (
+    SAVE_STRATEGIES,
+    fsync_tree,
+    io_write_bytes,
+    median_save,
+    save_table,
+    tree_bytes,
+    write_bandwidth,
+)
+from streamload.tools.cli import main
+from streamload.tools.synthetic import make_checkpoint
+
+
+@pytest.mark.timeout(300)
+def test_bench_save_every_strategy(tmp_path: Path) -> None:
+    ckpt = make_checkpoint(
+        tmp_path / "tiny",
+        "qwen2",
+        tie=True,
+        seed=43,
+        layers=2,
+        vocab=61,
+        hidden_size=24,
+        intermediate_size=38,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    )
+    out, saved = tmp_path / "out", tmp_path / "saved"
+    # Shards of 10 KB: several files and an index, the layout a real checkpoint has.
+    argv = ["bench", "--save", str(ckpt), "--ranks", "2", "--repeat", "1", "--max-shard-size", "10KB"]
+    argv += ["--out", str(out)]
+    assert main([*argv, "--save-dir", str(saved)]) == 0
+    rows = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
+    assert [r["strategy"] for r in rows] == SAVE_STRATEGIES
+    size = sum(p.stat().st_size for p in ckpt.glob("*.safetensors"))
+    for r in rows:
+        assert r["ok"], (r["strategy"], r["error"])
+        assert r["world"] == 2 and r["label"] == "tiny" and r["runs"] == 1
+        # Every output loaded by transformers and equal to the model, tensor for tensor.
+        assert r["loadable"] is True and r["mismatched"] == [] and r["correct"] is True, r
+        assert r["seconds"] > 0 and len(r["peak_anon_per_rank"]) == 2
+        assert r["peak_anon_max"] == max(r["peak_anon_per_rank"])
+        # The disk probe wrote the checkpoint's size in the same run.
+        assert r["checkpoint_bytes"] == size and r["disk_write_seconds"] > 0 and r["disk_write_gbps"] > 0
+        assert len(r["write_bytes"]) == 2 and r["disk_bytes_written"] == sum(r["write_bytes"])
+        # /tmp is a real disk here: page-cache writes are counted, at least the tensors once.
+        assert r["disk_bytes_written"] >= size * 0.9, r
+        assert r["output_bytes"] >= size
+    by = {r["strategy"]: r for r in rows}
+    files = by["rank0"]["output_files"]  # transformers' own split
+    assert files >= 2
+    for s in ("streamload_owners", "streamload_src"):
+        assert by[s]["hub_names"] is True and by[s]["output_files"] == files
+    # DCP keeps its per-rank shards beside the consolidated files: twice the bytes.
+    dcp = by["dcp_consolidate"]
+    assert dcp["output_files"] >= files + 2 and dcp["output_bytes"] >= 2 * size and dcp["hub_names"] is True
+    # The rank-0 export passes a gathered state dict: the tied head is written a second time.
+    assert by["rank0"]["hub_names"] is False and by["rank0"]["extra_keys"] == ["lm_head.weight"]
+    table = (out / "table.md").read_text()
+    for s in SAVE_STRATEGIES:
+        assert f"| tiny | 2 | {s} |" in table
+    assert "disk write s (GB/s)" in table and "| True |" in table and "failed" not in table
+    assert not list(saved.iterdir())  # every output removed after its run
+
+
+def test_load_strategy_names_need_no_save_flag(tmp_path: Path) -> None:
+    with pytest.raises(SystemExit, match="need --save"):
+        main(["bench", str(tmp_path), "--strategies", "dcp_consolidate", "--out", str(tmp_path / "o")])
+    with pytest.raises(SystemExit, match="unknown strategies"):
+        main(["bench", "--save", str(tmp_path), "--strategies", "dcp_hf", "--out", str(tmp_path / "o")])
+
+
+def test_write_bandwidth_writes_and_removes_its_probe(tmp_path: Path) -> None:
+    before = io_write_bytes()
+    bw = write_bandwidth(str(tmp_path), (3 << 20) + 5, block=1 << 20)
+    assert bw.bytes == (3 << 20) + 5 and bw.seconds > 0 and bw.gbps > 0
+    assert io_write_bytes() - before >= 3 << 20  # it reached the page cache of a real file system
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_fsync_tree_and_tree_bytes(tmp_path: Path) -> None:
+    (tmp_path / "a" / "sharded").mkdir(parents=True)
+    (tmp_path / "a" / "model.safetensors").write_bytes(b"x" * 10)
+    (tmp_path / "a" / "sharded" / "s.safetensors").write_bytes(b"y" * 7)
+    (tmp_path / "a" / "config.json").write_bytes(b"{}")
+    os.symlink(tmp_path / "a" / "config.json", tmp_path / "a" / "link.json")
+    fsync_tree(str(tmp_path / "a"))
+    assert tree_bytes(str(tmp_path / "a")) == (19, 2)  # the link is not counted twice
+
+
+def _run(strategy: str, seconds: float, ok: bool = True, correct: bool | None = None) -> dict:
+    return {
+        "strategy": strategy,
+        "world": 2,
+        "label": "m",
+        "ok": ok,
+        "error": None if ok else "RuntimeError: boom",
+        "seconds": seconds,
+        "peak_anon_max": int(seconds * 1000),
+        "peak_anon_per_rank": [int(seconds * 1000), 0],
+        "disk_write_seconds": 1.0,
+        "disk_write_gbps": 2.0,
+        "disk_bytes_written": 5 << 20,
+        "output_bytes": 4 << 20,
+        "output_files": 1,
+        "hub_names": True,
+        "correct": correct,
+    }
+
+
+def test_median_and_table() -> None:
+    row = median_save([_run("rank0", 3.0, correct=True), _run("rank0", 1.0), _run("rank0", 2.0)])
+    assert row["seconds"] == 2.0 and row["seconds_spread"] == (1.0, 3.0) and row["runs"] == 3
+    assert row["correct"] is True and row["peak_anon_max"] == 2000
+    fast = median_save([_run("streamload_owners", 0.5, correct=False)])
+    failed = median_save([_run("dcp_consolidate", 9.0, ok=False)])
+    table = save_table([row, fast, failed], ["label"])
+    assert "| m | 2 | rank0 | 2.00 (1.00-3.00) | 1.00 (2.00) | 2.00x | 1.00x |" in table
+    assert "| m | 2 | streamload_owners | 0.50 (0.50-0.50) | 1.00 (2.00) | 0.50x | 0.25x |" in table
+    assert "| False |" in table  # an output that failed the check says so
+    assert "| m | 2 | dcp_consolidate | failed: RuntimeError: boom |" in table
