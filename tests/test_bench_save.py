@@ -9,7 +9,6 @@ from pathlib import Path
 import pytest
 
 from streamload.tools.bench.save import (
-    SAVE_STRATEGIES,
     fsync_tree,
     io_write_bytes,
     median_save,
@@ -17,6 +16,7 @@ from streamload.tools.bench.save import (
     tree_bytes,
     write_bandwidth,
 )
+from streamload.tools.bench.save_strategies import SAVE_STRATEGIES
 from streamload.tools.cli import main
 from streamload.tools.synthetic import make_checkpoint
 

@@ -12,7 +12,8 @@ from typing import Any
 
 from .cold import cold_table, disk_bandwidth, median_rows
 from .runner import run_strategy
-from .save import SAVE_STRATEGIES, SAVERS, run_save
+from .save import run_save
+from .save_strategies import SAVE_STRATEGIES, SAVERS
 from .strategies import STRATEGIES, keyword_annotation, load_keywords
 from .table import markdown_table, median_of, write_jsonl
 
