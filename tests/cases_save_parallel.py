@@ -18,16 +18,7 @@ SHARD = "16KB"
 BUCKET = 4096  # several buckets per rank, and pieces cut across buckets
 
 
-def _wire_src() -> None:
-    """writers="src" through the driver: the src writer lives in streamload.save.gather."""
-    from streamload.save import gather, write
-
-    if not hasattr(write, "write_src"):
-        write.write_src = gather.write_src  # type: ignore[attr-defined]
-
-
 def _saves(model: nn.Module, out: str, writers: tuple[str, ...], **kw: Any) -> dict[str, Any]:
-    _wire_src()
     got: dict[str, Any] = {}
     for w in writers:
         rep = save_pretrained(model, f"{out}-{w}", writers=w, max_shard_size=SHARD, bucket_bytes=BUCKET, **kw)

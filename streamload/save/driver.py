@@ -13,8 +13,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..errors import SaveError
 from .commit import open_output
+from .gather import write_src
 from .layout import INDEX_NAME, Layout, output_layout, saved_config
 from .plan import SavePlan, plan_save
 from .write import WriteStats, write_headers, write_owners
@@ -90,16 +90,17 @@ def _small_files(
 
 
 def _write(
-    mode: str, plan: SavePlan, layout: Layout, fds: dict[str, int], bucket_bytes: int, group: Any
+    mode: str,
+    plan: SavePlan,
+    layout: Layout,
+    fds: dict[str, int],
+    bucket_bytes: int,
+    group: Any,
+    device: torch.device | None = None,
 ) -> WriteStats:
     if mode == "owners":
         return write_owners(plan, layout, fds, bucket_bytes)
-    from . import write as writers
-
-    write_src = getattr(writers, "write_src", None)
-    if write_src is None:
-        raise SaveError("writers='src' is not available in this build")
-    return write_src(plan, layout, fds, bucket_bytes, group)  # type: ignore[no-any-return]
+    return write_src(plan, layout, fds, bucket_bytes, group, device)
 
 
 def save_pretrained(
@@ -172,8 +173,9 @@ def save_pretrained(
         out.create_files({f.name: f.size for f in layout.files})
         mode = writers if writers != "auto" else ("owners" if out.shared() else "src")
         report.writers = mode
-        fds = {f.name: out.open(f.name) for f in layout.files}
-        stats = _write(mode, plan, layout, fds, bucket, group)
+        # src: only the writer opens the files (the others may not see the directory at all).
+        fds = {f.name: out.open(f.name) for f in layout.files} if mode == "owners" or rank == 0 else {}
+        stats = _write(mode, plan, layout, fds, bucket, group, out.device)
         report.bytes_written += stats.bytes_written
         report.writes = stats.writes
         report.peak_buffer_bytes = stats.peak_buffer_bytes
