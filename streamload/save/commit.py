@@ -81,12 +81,17 @@ def _hint(exc: BaseException, parent: Path) -> str | None:
     return None
 
 
-def _describe(exc: BaseException) -> tuple[str, str | None]:
-    """(reason, hint) of ``exc`` in words that pickle (the exception itself may not)."""
+def _describe(exc: BaseException) -> tuple[str, str | None, int | None]:
+    """(reason, hint, rank it names) of ``exc`` in words that pickle (the exception itself may not).
+
+    An error that already names a rank (an agreed ``SaveError`` raised again through ``finish``,
+    a ``RemoteRankError`` for another rank's failure) keeps naming that rank and its words.
+    """
     if isinstance(exc, SaveError):
-        return exc.reason, exc.hint
+        return exc.reason, exc.hint, exc.rank
     text = str(exc)
-    return (f"{type(exc).__name__}: {text}" if text else type(exc).__name__), None
+    reason = f"save failed: {type(exc).__name__}: {text}" if text else f"save failed: {type(exc).__name__}"
+    return reason, getattr(exc, "hint", None), getattr(exc, "rank", None)
 
 
 def rename_exchange(src: str | os.PathLike, dst: str | os.PathLike) -> bool:
@@ -180,13 +185,15 @@ class Output:
         if local is not None:
             # A RemoteRankError only says this rank stopped for another's failure: name that one.
             waiting = isinstance(local, RemoteRankError)
-            mine = (waiting, self.global_rank, *_describe(local), _hint(local, self.out_dir.parent))
+            reason, hint, named = _describe(local)
+            rank = named if isinstance(named, int) else self.global_rank
+            mine = (waiting, rank, reason, hint, _hint(local, self.out_dir.parent))
         gathered = all_gather_object(mine, self.group, self.device)
         failed = sorted((g for g in gathered if g is not None), key=lambda g: (g[0], g[1]))
         if not failed:
             return
         _waiting, rank, reason, hint, guess = failed[0]
-        err = SaveError(f"save failed: {reason}", file=str(self.out_dir), rank=rank, hint=hint or guess)
+        err = SaveError(reason, file=str(self.out_dir), rank=rank, hint=hint or guess)
         if local is not None and mine == failed[0]:
             raise err from local
         raise err
