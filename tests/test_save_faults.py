@@ -70,7 +70,9 @@ FAULTS = [
 
 
 # In src mode only rank 0 calls pwrite: a pwrite fault on another rank is no case there.
-CASES = [(w, *f) for w in ("owners", "src") for f in FAULTS if not (w == "src" and f[0] == "pwrite" and f[1] != 0)]
+CASES = [
+    (w, *f) for w in ("owners", "src") for f in FAULTS if not (w == "src" and f[0] == "pwrite" and f[1] != 0)
+]
 
 
 @pytest.mark.parametrize("writers,where,fail_rank,at,words", CASES)
