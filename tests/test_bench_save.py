@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from streamload.tools.bench.save import (
+    SaveGroup,
     fsync_tree,
     io_write_bytes,
     median_save,
@@ -16,7 +17,7 @@ from streamload.tools.bench.save import (
     tree_bytes,
     write_bandwidth,
 )
-from streamload.tools.bench.save_strategies import SAVE_STRATEGIES
+from streamload.tools.bench.save_strategies import SAVE_STRATEGIES, save_rank0
 from streamload.tools.cli import main
 from streamload.tools.synthetic import make_checkpoint
 
@@ -71,6 +72,48 @@ def test_bench_save_every_strategy(tmp_path: Path) -> None:
         assert f"| tiny | 2 | {s} |" in table
     assert "disk write s (GB/s)" in table and "| True |" in table and "failed" not in table
     assert not list(saved.iterdir())  # every output removed after its run
+
+
+def corrupt_save(model, out: str, opts: dict) -> None:
+    """The rank-0 export with one element of ``model.norm.weight`` changed afterwards."""
+    import torch
+    import torch.distributed as dist
+    from safetensors.torch import load_file, save_file
+
+    save_rank0(model, out, opts)
+    if dist.get_rank() == 0:
+        path = os.path.join(out, "model.safetensors")
+        tensors = load_file(path)
+        tensors["model.norm.weight"][0] += torch.tensor(1.0, dtype=tensors["model.norm.weight"].dtype)
+        save_file(tensors, path, metadata={"format": "pt"})
+    dist.barrier()
+
+
+def failing_save(model, out: str, opts: dict) -> None:
+    raise OSError(28, "No space left on device")
+
+
+@pytest.mark.timeout(300)
+def test_the_check_catches_a_wrong_tensor_and_a_failure_is_a_row(tmp_path: Path) -> None:
+    """A saver whose output differs in one tensor is reported incorrect, naming it; a saver that
+    raises on every rank is a failed run, and the same ranks then save correctly."""
+    ckpt = make_checkpoint(
+        tmp_path / "tiny", "qwen2", tie=False, seed=44, layers=1, vocab=32, hidden_size=16,
+        intermediate_size=24, num_attention_heads=2, num_key_value_heads=1,
+    )  # fmt: skip
+    group = SaveGroup(2, str(ckpt), "bfloat16")
+    try:
+        bad = group.run(f"{__name__}:corrupt_save", str(tmp_path / "a"), verify=True, max_shard_size="5GB")
+        assert bad.ok and bad.loadable is True and bad.hub_names is True
+        assert bad.correct is False and bad.mismatched == ["model.norm.weight"]
+        failed = group.run(f"{__name__}:failing_save", str(tmp_path / "b"), verify=True, max_shard_size="5GB")
+        assert not failed.ok and "No space left on device" in (failed.error or "")
+        pids = [p.pid for p in group.group.procs]
+        good = group.run("rank0", str(tmp_path / "c"), verify=True, max_shard_size="5GB")
+        assert good.ok and good.correct is True and good.hub_names is True  # untied: nothing extra
+        assert [p.pid for p in group.group.procs] == pids  # a failure on every rank keeps the ranks
+    finally:
+        group.close()
 
 
 def test_load_strategy_names_need_no_save_flag(tmp_path: Path) -> None:

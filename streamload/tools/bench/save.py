@@ -37,7 +37,7 @@ import torch
 from torch import nn
 
 from .runner import BenchGroup, MemorySampler, _StrategyFailed, _trim
-from .save_strategies import SAVE_STRATEGIES, SAVERS
+from .save_strategies import SAVE_STRATEGIES, SAVERS, saver_fn
 from .table import MiB, baseline_row, render_table, write_jsonl
 
 
@@ -222,7 +222,7 @@ def _save_worker(rank: int, world: int, init_file: str, commands: Any, results: 
                 results.put(("loaded", {"rank": rank}))
                 continue
             _, strategy, out, verify, opts = cmd
-            save = SAVERS[strategy]
+            save = saver_fn(strategy)
             # Import cost is not save cost.
             importlib.import_module(
                 "streamload" if strategy.startswith("streamload") else "torch.distributed.checkpoint"

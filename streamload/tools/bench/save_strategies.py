@@ -6,6 +6,7 @@ transformers."""
 
 from __future__ import annotations
 
+import importlib
 import os
 import typing
 from collections.abc import Callable
@@ -91,3 +92,19 @@ SAVERS: dict[str, Callable[[nn.Module, str, dict[str, Any]], Any]] = {
     "rank0": save_rank0,
     "dcp_consolidate": save_dcp_consolidate,
 }
+
+
+def saver_fn(name: str) -> Callable[[nn.Module, str, dict[str, Any]], Any]:
+    """A save strategy by name: a key of ``SAVERS``, or ``"package.module:function"`` (a client's
+    own export, called as ``function(model, out_dir, options)`` on every rank).
+
+    Example:
+        >>> saver_fn("rank0") is save_rank0
+        True
+    """
+    if name in SAVERS:
+        return SAVERS[name]
+    module, sep, attr = name.partition(":")
+    if not sep:
+        raise KeyError(f"unknown save strategy {name!r}: one of {SAVE_STRATEGIES} or 'module:function'")
+    return typing.cast(Any, getattr(importlib.import_module(module), attr))
