@@ -71,36 +71,58 @@ def case_round_trip(
         for n, t in fulls.items()
     }
     result: dict[str, Any] = {"report": rep, "largest": max(t.nbytes for t in fulls.values())}
+    failure: BaseException | None = None
     if rank == 0:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            # (a) transformers reads the output back as the model's own tensors.
-            from transformers import AutoModelForCausalLM
-
-            back = AutoModelForCausalLM.from_pretrained(out, dtype="auto")
-            bad = [n for n, p in back.named_parameters() if not _equal(p.detach(), want[n])]
-            assert not bad, f"transformers reads back different tensors: {bad}"
-            # (b, c) transformers' own save of the gathered model: the same files, byte for byte.
-            ref = reference(ckpt, load_dtype)
-            with torch.no_grad():
-                for n, p in ref.named_parameters():
-                    p.copy_(fulls[n])
-            if save_dtype is not None:
-                ref = ref.to(save_dtype)
-            ref_dir = tempfile.mkdtemp(prefix="streamload_refsave_")
-            ref.save_pretrained(ref_dir, max_shard_size=max_shard_size)
-        mine, theirs = _files(out), _files(ref_dir)
-        assert sorted(mine) == sorted(theirs), (sorted(mine), sorted(theirs))
-        for f in theirs:
-            if f.endswith(".safetensors"):
-                a, b = load_file(os.path.join(out, f)), load_file(os.path.join(ref_dir, f))
-                assert sorted(a) == sorted(b), f
-                diff = [k for k in a if not _equal(a[k], b[k])]
-                assert not diff, f"{f}: tensors differ from transformers' save: {diff}"
-            assert mine[f] == theirs[f], f"{f} differs from transformers' save"
-        result["files"] = sorted(mine)
+        try:
+            result["files"] = _check_against_transformers(
+                out, ckpt, fulls, want, load_dtype, save_dtype, max_shard_size
+            )
+        except BaseException as exc:  # noqa: BLE001 - raised after the collective reload below
+            failure = exc
     # (d) streamload loads its own output bit-exactly.
     again = streamload.from_pretrained(out, device_mesh=mesh, progress=False)
     bad = [n for n, t in _fulls(again).items() if not _equal(t, want[n])]
     assert not bad, f"streamload reloads different tensors: {bad}"
+    if failure is not None:
+        raise failure
     return result
+
+
+def _check_against_transformers(
+    out: str,
+    ckpt: str,
+    fulls: dict[str, torch.Tensor],
+    want: dict[str, torch.Tensor],
+    load_dtype: torch.dtype | None,
+    save_dtype: torch.dtype | None,
+    max_shard_size: str,
+) -> list[str]:
+    """(a) transformers reads back ``want``; (b, c) transformers' own save of the gathered
+    model writes the same files, tensors and bytes. Returns the file names."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        # (a) transformers reads the output back as the model's own tensors.
+        from transformers import AutoModelForCausalLM
+
+        back = AutoModelForCausalLM.from_pretrained(out, dtype="auto")
+        bad = [n for n, p in back.named_parameters() if not _equal(p.detach(), want[n])]
+        assert not bad, f"transformers reads back different tensors: {bad}"
+        # (b, c) transformers' own save of the gathered model: the same files, byte for byte.
+        ref = reference(ckpt, load_dtype)
+        with torch.no_grad():
+            for n, p in ref.named_parameters():
+                p.copy_(fulls[n])
+        if save_dtype is not None:
+            ref = ref.to(save_dtype)
+        ref_dir = tempfile.mkdtemp(prefix="streamload_refsave_")
+        ref.save_pretrained(ref_dir, max_shard_size=max_shard_size)
+    mine, theirs = _files(out), _files(ref_dir)
+    assert sorted(mine) == sorted(theirs), (sorted(mine), sorted(theirs))
+    for f in theirs:
+        if f.endswith(".safetensors"):
+            a, b = load_file(os.path.join(out, f)), load_file(os.path.join(ref_dir, f))
+            assert sorted(a) == sorted(b), f
+            diff = [k for k in a if not _equal(a[k], b[k])]
+            assert not diff, f"{f}: tensors differ from transformers' save: {diff}"
+        assert mine[f] == theirs[f], f"{f} differs from transformers' save"
+    return sorted(mine)

@@ -16,7 +16,7 @@ from safetensors.torch import save
 
 import streamload
 from streamload.save.layout import header_bytes, output_layout
-from streamload.tools.synthetic import make_checkpoint, make_config, randomize_
+from streamload.tools.synthetic import make_checkpoint
 
 MODELS = {
     "qwen2": dict(tie=True),  # dense, tied embeddings
@@ -27,12 +27,18 @@ MODELS = {
 
 
 def _model(mt: str, dtype: torch.dtype = torch.bfloat16, seed: int = 0):
+    """A tiny random model as transformers' ``from_pretrained`` gives it (a loaded model is
+    saved in natural key order; see layout._as_loaded)."""
+    import tempfile
+
     from transformers import AutoModelForCausalLM
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        m = AutoModelForCausalLM.from_config(make_config(mt, **MODELS[mt]), dtype=dtype)
-    return randomize_(m, seed)
+        d = make_checkpoint(
+            tempfile.mkdtemp(prefix="streamload_src_"), mt, dtype=dtype, seed=seed, **MODELS[mt]
+        )
+        return AutoModelForCausalLM.from_pretrained(d, dtype="auto")
 
 
 def _files(d) -> dict[str, bytes]:
@@ -111,7 +117,7 @@ def group():
 @pytest.mark.parametrize("ws", [2, 3])
 @pytest.mark.parametrize("mt", list(MODELS))
 def test_round_trip(group: RankGroup, ckpts, tmp_path, ws: int, mt: str) -> None:
-    res = group.run(cases.case_round_trip, ckpt=ckpts[mt], ws=ws, out=str(tmp_path / "out"))
+    res = group.run(cases.case_round_trip, ckpt=ckpts[mt], ws=ws, out=str(tmp_path / "out"), timeout=90)
     assert res[0]["files"] and all(r["report"].writers == "owners" for r in res[:ws])
     assert sum(r["report"].bytes_written for r in res[:ws]) == sum(
         os.path.getsize(tmp_path / "out" / f) for f in res[0]["files"] if f.endswith(".safetensors")

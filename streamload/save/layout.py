@@ -25,7 +25,8 @@ import copy
 import json
 import struct
 import sys
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -174,6 +175,29 @@ def _root(t: torch.Tensor) -> torch.Tensor:
     return t._base if t._base is not None else t
 
 
+@contextmanager
+def _as_loaded(model: nn.Module) -> Iterator[None]:
+    """Within the block ``model`` carries the conversions transformers' ``from_pretrained``
+    attaches (``_weight_conversions``) when it has none.
+
+    transformers saves a model it loaded in natural key order (its reverse conversion sorts
+    the state dict) but a model it never loaded in module order; a model streamload loaded
+    is saved as transformers saves one it loaded itself.
+    """
+    if getattr(model, "_weight_conversions", None) is not None:
+        yield
+        return
+    from transformers.conversion_mapping import get_model_conversion_mapping
+    from transformers.core_model_loading import PrefixChange
+
+    mapping = get_model_conversion_mapping(model, add_legacy=False)  # type: ignore[arg-type]
+    model._weight_conversions = [m for m in mapping if not isinstance(m, PrefixChange)]  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        delattr(model, "_weight_conversions")
+
+
 def hub_state(model: nn.Module, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
     """transformers' save-time state dict of ``model``, as meta tensors of the global shapes.
 
@@ -190,7 +214,7 @@ def hub_state(model: nn.Module, dtype: torch.dtype | None = None) -> dict[str, t
         from transformers.core_model_loading import revert_weight_conversion
 
         config = getattr(model, "config", None)
-        with unsharded_classes(model):
+        with unsharded_classes(model), _as_loaded(model):
             try:
                 hub = dict(revert_weight_conversion(model, meta))  # type: ignore[arg-type]
             except Exception as exc:  # noqa: BLE001 - an op with no meta form: say which model
