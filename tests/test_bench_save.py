@@ -89,6 +89,17 @@ def corrupt_save(model, out: str, opts: dict) -> None:
     dist.barrier()
 
 
+def float32_save(model, out: str, opts: dict) -> None:
+    """The rank-0 export with every tensor stored as float32 (from_pretrained casts it back)."""
+    import torch.distributed as dist
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    sd = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if dist.get_rank() == 0:
+        model.save_pretrained(out, state_dict={k: v.float() for k, v in sd.items()})
+    dist.barrier()
+
+
 def failing_save(model, out: str, opts: dict) -> None:
     raise OSError(28, "No space left on device")
 
@@ -106,6 +117,9 @@ def test_the_check_catches_a_wrong_tensor_and_a_failure_is_a_row(tmp_path: Path)
         bad = group.run(f"{__name__}:corrupt_save", str(tmp_path / "a"), verify=True, max_shard_size="5GB")
         assert bad.ok and bad.loadable is True and bad.hub_names is True
         assert bad.correct is False and bad.mismatched == ["model.norm.weight"]
+        wide = group.run(f"{__name__}:float32_save", str(tmp_path / "w"), verify=True, max_shard_size="5GB")
+        assert wide.ok and wide.loadable is True and wide.correct is False
+        assert wide.mismatched and all("(stored F32 " in m for m in wide.mismatched)
         failed = group.run(f"{__name__}:failing_save", str(tmp_path / "b"), verify=True, max_shard_size="5GB")
         assert not failed.ok and "No space left on device" in (failed.error or "")
         pids = [p.pid for p in group.group.procs]
@@ -172,3 +186,24 @@ def test_median_and_table() -> None:
     assert "| m | 2 | streamload_owners | 0.50 (0.50-0.50) | 1.00 (2.00) | 0.50x | 0.25x |" in table
     assert "| False |" in table  # an output that failed the check says so
     assert "| m | 2 | dcp_consolidate | failed: RuntimeError: boom |" in table
+
+
+@pytest.mark.timeout(300)
+def test_moe_names_per_strategy(tmp_path: Path) -> None:
+    """On a fused MoE model streamload and transformers write the hub's per-expert tensors; DCP
+    writes the model's fused names (still loadable: transformers converts them on load)."""
+    ckpt = make_checkpoint(tmp_path / "moe", "qwen3_moe", tie=False, seed=45, num_experts=4, layers=2)
+    group = SaveGroup(2, str(ckpt), "bfloat16")
+    try:
+        runs = {
+            s: group.run(s, str(tmp_path / s), verify=True, max_shard_size="5GB")
+            for s in ("streamload_owners", "rank0", "dcp_consolidate")
+        }
+    finally:
+        group.close()
+    for s, r in runs.items():
+        assert r.ok and r.correct is True, (s, r.error, r.mismatched)
+    assert runs["streamload_owners"].hub_names is True and runs["rank0"].hub_names is True
+    dcp = runs["dcp_consolidate"]
+    assert dcp.hub_names is False and "model.layers.0.mlp.experts.gate_up_proj" in dcp.extra_keys
+    assert dcp.extra_key_count == 4 and dcp.missing_key_count == 2 * 4 * 3  # 2 layers x 4 experts x 3

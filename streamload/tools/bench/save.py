@@ -129,15 +129,17 @@ def checkpoint_bytes(ckpt: str) -> int:
     return sum(p.stat().st_size for p in Path(ckpt).glob("*.safetensors"))
 
 
-def _keys(path: str) -> set[str]:
-    """Tensor names in the top-level safetensors files of ``path``."""
+def _headers(path: str) -> dict[str, tuple[str, list[int]]]:
+    """Every tensor of the top-level safetensors files of ``path``: name -> (stored dtype, shape)."""
     from safetensors import safe_open
 
-    keys: set[str] = set()
+    out: dict[str, tuple[str, list[int]]] = {}
     for p in sorted(Path(path).glob("*.safetensors")):
         with safe_open(str(p), framework="pt") as f:
-            keys.update(f.keys())
-    return keys
+            for k in f.keys():
+                sl = f.get_slice(k)
+                out[k] = (sl.get_dtype(), list(sl.get_shape()))
+    return out
 
 
 def _verify(model: nn.Module, out: str, ckpt: str, dtype: torch.dtype, rank: int) -> dict[str, Any]:
@@ -181,7 +183,14 @@ def _verify(model: nn.Module, out: str, ckpt: str, dtype: torch.dtype, rank: int
             ):
                 bad.append(name)
         del full
-    got, want = (_keys(out), _keys(ckpt)) if rank == 0 else (set(), set())
+    heads, source = (_headers(out), _headers(ckpt)) if rank == 0 else ({}, {})
+    # from_pretrained casts to the dtype asked for: the stored dtypes and shapes are checked apart.
+    bad += [
+        f"{k} (stored {heads[k][0]} {heads[k][1]}, source {v[0]} {v[1]})"
+        for k, v in source.items()
+        if k in heads and heads[k] != v
+    ]
+    got, want = set(heads), set(source)
     return {
         "loadable": True,
         "mismatched": bad,
@@ -353,8 +362,8 @@ class SaveGroup:
         except _StrategyFailed as exc:
             res.ok, res.error = False, str(exc)
             self._settle(min(deadline, time.time() + 30))
-        except Exception as exc:  # queue.Empty: a rank that never answered
-            res.ok, res.error = False, f"timed out after {timeout}s ({type(exc).__name__})"
+        except queue.Empty:  # a rank that never answered
+            res.ok, res.error = False, f"timed out after {timeout}s"
             self._replace()
         finally:
             if sampler is not None:
