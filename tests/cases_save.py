@@ -126,3 +126,44 @@ def _check_against_transformers(
             assert not diff, f"{f}: tensors differ from transformers' save: {diff}"
         assert mine[f] == theirs[f], f"{f} differs from transformers' save"
     return sorted(mine)
+
+
+class _Plain(torch.nn.Module):
+    """A plain module (no transformers): uneven shapes, a tied pair, a persistent buffer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        g = torch.Generator().manual_seed(3)
+        self.emb = torch.nn.Parameter(torch.randn(7, 10, generator=g).to(torch.bfloat16))
+        self.col = torch.nn.Parameter(torch.randn(5, 11, generator=g))
+        self.row = torch.nn.Parameter(torch.randn(13, 3, 2, generator=g).to(torch.float16))
+        self.rep = torch.nn.Parameter(torch.randn(4, generator=g))
+        self.head = self.emb  # tied: stored once, under the first name
+        self.register_buffer("steps", torch.arange(6, dtype=torch.int64))
+
+
+def case_plain_tp(
+    rank: int, world: int, *, ws: int, out: str, bucket_bytes: int = 64
+) -> dict[str, Any] | None:
+    """DTensor placements FSDP never makes (Shard(1), Shard(2), Replicate) on a plain module:
+    the files equal safetensors' own save of the full tensors, byte for byte."""
+    from safetensors.torch import save_file
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    mesh = mesh_for(ws)
+    if mesh is None:
+        return None
+    model = _Plain()
+    ref = {k: v.detach().clone() for k, v in model.state_dict().items() if k != "head"}
+    placements = {"emb": Shard(0), "col": Shard(1), "row": Shard(2), "rep": Replicate()}
+    for name, pl in placements.items():
+        setattr(model, name, torch.nn.Parameter(distribute_tensor(getattr(model, name).data, mesh, [pl])))
+    model.head = model.emb
+    rep = streamload.save_pretrained(
+        model, out, process_group=subgroup(ws), bucket_bytes=bucket_bytes, max_shard_size="5GB"
+    )
+    if rank == 0:
+        ref_dir = tempfile.mkdtemp(prefix="streamload_refplain_")
+        save_file(ref, os.path.join(ref_dir, "model.safetensors"), metadata={"format": "pt"})
+        assert _files(out) == _files(ref_dir)
+    return {"report": rep}

@@ -164,3 +164,24 @@ def test_no_full_tensor_buffer(group: RankGroup, ckpts, tmp_path) -> None:
     for r in res:
         assert r["largest"] > 4 * bucket  # a whole parameter would not fit the bucket
         assert 0 < r["report"].peak_buffer_bytes <= bucket
+
+
+@pytest.mark.parametrize("ws", [2, 3])
+def test_plain_module_tensor_parallel_placements(group: RankGroup, tmp_path, ws: int) -> None:
+    res = group.run(cases.case_plain_tp, ws=ws, out=str(tmp_path / "o"))
+    # every byte written once: the replicated tensor and the buffer by one rank only
+    assert sum(r["report"].bytes_written for r in res[:ws]) == os.path.getsize(
+        tmp_path / "o" / "model.safetensors"
+    )
+    assert all(r["report"].writes > 0 for r in res[:ws])
+
+
+def test_file_runs() -> None:
+    from streamload.save.layout import HubTensor
+    from streamload.save.write import file_runs
+
+    h = HubTensor("w", "F32", (4, 3, 2), "f", 64)
+    assert file_runs(h, ((0, 4), (0, 3), (0, 2))) == [(64, 96)]
+    assert file_runs(h, ((1, 3), (0, 3), (0, 2))) == [(64 + 24, 48)]
+    assert file_runs(h, ((0, 2), (1, 2), (0, 2))) == [(64 + 8, 8), (64 + 32, 8)]
+    assert file_runs(h, ((3, 4), (2, 3), (1, 2))) == [(64 + 23 * 4, 4)]
