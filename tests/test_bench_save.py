@@ -133,6 +133,8 @@ def test_the_check_catches_a_wrong_tensor_and_a_failure_is_a_row(tmp_path: Path)
 def test_load_strategy_names_need_no_save_flag(tmp_path: Path) -> None:
     with pytest.raises(SystemExit, match="need --save"):
         main(["bench", str(tmp_path), "--strategies", "dcp_consolidate", "--out", str(tmp_path / "o")])
+    with pytest.raises(SystemExit, match="--cold, --options"):
+        main(["bench", "--save", str(tmp_path), "--cold", "--out", str(tmp_path / "o")])
     with pytest.raises(SystemExit, match="unknown strategies"):
         main(["bench", "--save", str(tmp_path), "--strategies", "dcp_hf", "--out", str(tmp_path / "o")])
 

@@ -467,6 +467,11 @@ def run_save(args: argparse.Namespace, ckpt: str, label: str) -> int:
     """``streamload bench --save``: each strategy saves the same sharded model, per rank count,
     ``--repeat`` times (strategies take turns within a repeat); writes results.jsonl (medians),
     runs.jsonl (every run) and table.md to ``--out``."""
+    if args.cold or args.options or args.read_mode or args.bucket_mib:
+        # The loads before the saves are the bench's own: a load option would measure nothing.
+        raise SystemExit(
+            "--save measures saves: --cold, --options, --read-mode and --bucket-mib do not apply"
+        )
     strategies = args.strategies or SAVE_STRATEGIES
     unknown = [s for s in strategies if s not in SAVERS]
     if unknown:
