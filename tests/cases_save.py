@@ -167,3 +167,37 @@ def case_plain_tp(
         save_file(ref, os.path.join(ref_dir, "model.safetensors"), metadata={"format": "pt"})
         assert _files(out) == _files(ref_dir)
     return {"report": rep}
+
+
+def case_one_rank_fails(rank: int, world: int, *, ws: int, out: str, where: str) -> dict[str, Any] | None:
+    """A failure on the last rank only (planning or writing): the same SaveError on every
+    rank, naming that rank; nothing at ``out`` and no temporary directory left."""
+    import streamload.save.driver as driver
+    from streamload.errors import SaveError
+
+    mesh = mesh_for(ws)
+    if mesh is None:
+        return None
+    model = _Plain()
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    model.col = torch.nn.Parameter(distribute_tensor(model.col.data, mesh, [Shard(1)]))
+    saved = getattr(driver, where)
+
+    def boom(*args: Any, **kwargs: Any) -> Any:
+        raise OSError(28, "No space left on device (injected)")
+
+    if rank == ws - 1:
+        setattr(driver, where, boom)
+    try:
+        streamload.save_pretrained(model, out, process_group=subgroup(ws))
+    except SaveError as exc:
+        err = exc
+    else:
+        raise AssertionError("the save did not fail")
+    finally:
+        setattr(driver, where, saved)
+    assert err.rank == ws - 1, err
+    parent = os.path.dirname(out)
+    assert not os.path.exists(out) and os.listdir(parent) == [], os.listdir(parent)
+    return {"error": str(err)}

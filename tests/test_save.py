@@ -185,3 +185,9 @@ def test_file_runs() -> None:
     assert file_runs(h, ((1, 3), (0, 3), (0, 2))) == [(64 + 24, 48)]
     assert file_runs(h, ((0, 2), (1, 2), (0, 2))) == [(64 + 8, 8), (64 + 32, 8)]
     assert file_runs(h, ((3, 4), (2, 3), (1, 2))) == [(64 + 23 * 4, 4)]
+
+
+@pytest.mark.parametrize("where", ["plan_save", "write_owners"])
+def test_one_rank_failure_is_one_error_everywhere(group: RankGroup, tmp_path, where: str) -> None:
+    res = group.run(cases.case_one_rank_fails, ws=3, out=str(tmp_path / "o"), where=where, timeout=60)
+    assert all("No space left" in r["error"] for r in res)
