@@ -3,6 +3,7 @@ ranks; ranks outside the case's world size return None at once."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import tempfile
 import warnings
@@ -11,9 +12,37 @@ from typing import Any
 import torch
 from cases_load import full, mesh_for, reference, subgroup
 from safetensors.torch import load_file
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 
 import streamload
 from streamload.io.copy_ops import bit_view as bits
+
+
+class _Allocations(TorchDispatchMode):
+    """Records the largest storage any op allocates (outputs whose storage no input has)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.largest = 0
+
+    @staticmethod
+    def _storage(t: Any) -> tuple[int, int] | None:
+        if not isinstance(t, torch.Tensor) or t.device.type == "meta":
+            return None
+        try:
+            st = t.untyped_storage()
+        except (RuntimeError, NotImplementedError):  # a subclass with no storage of its own
+            return None
+        return st.data_ptr(), st.nbytes()
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        seen = {s[0] for s in map(self._storage, tree_flatten((args, kwargs))[0]) if s is not None}
+        for s in map(self._storage, tree_flatten(out)[0]):
+            if s is not None and s[0] not in seen:
+                self.largest = max(self.largest, s[1])
+        return out
 
 
 def _files(d: str) -> dict[str, bytes]:
@@ -48,8 +77,12 @@ def case_round_trip(
     max_shard_size: str = "24KB",
     bucket_bytes: int = 4096,
     step: bool = False,
+    track: bool = False,
 ) -> dict[str, Any] | None:
-    """load -> (step) -> streamload.save_pretrained -> checks against transformers' own save."""
+    """load -> (step) -> streamload.save_pretrained -> checks against transformers' own save.
+
+    ``track``: record the largest tensor storage any op allocates during the save
+    (``allocated`` in the result)."""
     mesh = mesh_for(ws)
     if mesh is None:
         return None
@@ -57,20 +90,26 @@ def case_round_trip(
     model = streamload.from_pretrained(ckpt, device_mesh=mesh, dtype=load_dtype, progress=False)
     if step:
         _one_step(model)
-    rep = streamload.save_pretrained(
-        model,
-        out,
-        dtype=save_dtype,
-        max_shard_size=max_shard_size,
-        process_group=group,
-        bucket_bytes=bucket_bytes,
-    )
+    allocs = _Allocations()
+    with allocs if track else contextlib.nullcontext():
+        rep = streamload.save_pretrained(
+            model,
+            out,
+            dtype=save_dtype,
+            max_shard_size=max_shard_size,
+            process_group=group,
+            bucket_bytes=bucket_bytes,
+        )
     fulls = _fulls(model)
     want = {
         n: t.to(save_dtype) if save_dtype is not None and t.is_floating_point() else t
         for n, t in fulls.items()
     }
-    result: dict[str, Any] = {"report": rep, "largest": max(t.nbytes for t in fulls.values())}
+    result: dict[str, Any] = {
+        "report": rep,
+        "largest": max(t.nbytes for t in fulls.values()),
+        "allocated": allocs.largest,
+    }
     failure: BaseException | None = None
     if rank == 0:
         try:
