@@ -208,7 +208,9 @@ def case_plain_tp(
     return {"report": rep}
 
 
-def case_one_rank_fails(rank: int, world: int, *, ws: int, out: str, where: str) -> dict[str, Any] | None:
+def case_one_rank_fails(
+    rank: int, world: int, *, ws: int, out: str, where: str, interrupt: bool = False
+) -> dict[str, Any] | None:
     """A failure on the last rank only (planning or writing): the same SaveError on every
     rank, naming that rank; nothing at ``out`` and no temporary directory left."""
     import streamload.save.driver as driver
@@ -224,19 +226,25 @@ def case_one_rank_fails(rank: int, world: int, *, ws: int, out: str, where: str)
     saved = getattr(driver, where)
 
     def boom(*args: Any, **kwargs: Any) -> Any:
+        if interrupt:
+            raise KeyboardInterrupt
         raise OSError(28, "No space left on device (injected)")
 
     if rank == ws - 1:
         setattr(driver, where, boom)
+    err: BaseException
     try:
         streamload.save_pretrained(model, out, process_group=subgroup(ws))
-    except SaveError as exc:
+    except (SaveError, KeyboardInterrupt) as exc:
         err = exc
     else:
         raise AssertionError("the save did not fail")
     finally:
         setattr(driver, where, saved)
-    assert err.rank == ws - 1, err
+    if interrupt and rank == ws - 1:
+        assert isinstance(err, KeyboardInterrupt), repr(err)  # the interrupt stays one where it happened
+    else:
+        assert isinstance(err, SaveError) and err.rank == ws - 1, repr(err)
     parent = os.path.dirname(out)
     assert not os.path.exists(out) and os.listdir(parent) == [], os.listdir(parent)
-    return {"error": str(err)}
+    return {"error": str(err) if isinstance(err, SaveError) else repr(err)}

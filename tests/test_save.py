@@ -199,3 +199,15 @@ def test_file_runs() -> None:
 def test_one_rank_failure_is_one_error_everywhere(group: RankGroup, tmp_path, where: str) -> None:
     res = group.run(cases.case_one_rank_fails, ws=3, out=str(tmp_path / "o"), where=where, timeout=60)
     assert all("No space left" in r["error"] for r in res)
+
+
+def test_interrupt_while_planning_on_one_rank(group: RankGroup, tmp_path) -> None:
+    res = group.run(
+        cases.case_one_rank_fails,
+        ws=3,
+        out=str(tmp_path / "o"),
+        where="plan_save",
+        interrupt=True,
+        timeout=60,
+    )
+    assert "KeyboardInterrupt" in res[0]["error"] and res[2]["error"] == "KeyboardInterrupt()"

@@ -160,15 +160,15 @@ def save_pretrained(
     report = SaveReport()
     out = open_output(out_dir, group)
     clock.mark("open")
+    local: BaseException | None = None
     try:
-        local: BaseException | None = None
         try:
             layout = output_layout(model, dtype=dtype, max_shard_size=max_shard_size)
             clock.mark("layout")
             plan = plan_save(model, layout, rank)
             clock.mark("plan")
-        except Exception as exc:  # noqa: BLE001 - agreed below: the same error on every rank
-            local = exc
+        except BaseException as exc:  # noqa: BLE001 - agreed below: the same error on every rank
+            local = exc  # a KeyboardInterrupt too: skipping the agreement would hang the others
         out.agree(local)
         out.create_files({f.name: f.size for f in layout.files})
         mode = writers if writers != "auto" else ("owners" if out.shared() else "src")
@@ -188,7 +188,9 @@ def save_pretrained(
         report.files += [n for n in small if n != INDEX_NAME]
         clock.mark("write")
     except BaseException as exc:
-        out.finish(ok=False, error=exc)
+        # This rank's own planning failure when the agreement raised for it: finish re-raises
+        # an interrupt as itself on this rank.
+        out.finish(ok=False, error=local if local is not None else exc)
         raise
     out.finish(ok=True)
     clock.mark("commit")
