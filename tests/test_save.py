@@ -23,6 +23,8 @@ MODELS = {
     "llama": dict(tie=False),  # dense, untied
     "qwen3_moe": dict(num_experts=5, tie=True),  # fused experts <- per-expert tensors
     "mixtral": dict(num_local_experts=3, tie=False),  # fused experts + w1/w2/w3 renames
+    "qwen2_moe": dict(num_experts=5, tie=False),  # shared expert, attention biases
+    "olmoe": dict(num_experts=6, tie=True),
 }
 
 
