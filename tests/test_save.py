@@ -213,3 +213,19 @@ def test_interrupt_while_planning_on_one_rank(group: RankGroup, tmp_path) -> Non
         timeout=60,
     )
     assert "KeyboardInterrupt" in res[0]["error"] and res[2]["error"] == "KeyboardInterrupt()"
+
+
+def test_op_with_no_region_form_is_a_named_error(tmp_path) -> None:
+    # inkling2's experts are interleaved (transformers' Interleave): the loader materialises
+    # them on its reader; a save refuses before writing anything.
+    from transformers import AutoModelForCausalLM
+
+    from streamload.tools.archs import build_checkpoint
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        build_checkpoint("inkling2_text", tmp_path / "src")
+        m = AutoModelForCausalLM.from_pretrained(tmp_path / "src")
+    with pytest.raises(streamload.StreamloadError, match="Interleave, which has no region form") as info:
+        streamload.save_pretrained(m, tmp_path / "out")
+    assert "gate_up_proj" in str(info.value) and sorted(os.listdir(tmp_path)) == ["src"]

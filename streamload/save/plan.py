@@ -135,7 +135,20 @@ def tile_model(
     if rest:
         conv = plan_conversions(model, table, rest)
         for canon in rest:
-            if canon not in conv.pieces or any(p.key not in table for p in conv.pieces[canon]):
+            if (
+                canon in conv.described
+                and canon not in conv.pieces
+                or any(p.key not in table for p in conv.pieces.get(canon, ()))
+            ):
+                # The loader materialises this op on its reader; a save has no such step.
+                raise SaveError(
+                    f"'{canon}' {list(rest[canon])} is built by transformers' "
+                    f"{conv.described.get(canon, 'an op').removeprefix('fallback: ')}, which has no region "
+                    "form: streamload cannot write it without materialising it",
+                    tensor=canon,
+                    hint="save this model with transformers' save_pretrained on gathered weights",
+                )
+            if canon not in conv.pieces:
                 raise SaveError(f"no output tensor holds '{canon}' {list(rest[canon])}", tensor=canon)
             pieces[canon] = conv.pieces[canon]
     covered = dict.fromkeys(table, 0)
