@@ -122,6 +122,11 @@ def model_state(model: nn.Module) -> dict[str, torch.Tensor]:
 
     Returns:
         name -> the model's parameter or persistent buffer (not detached: ties keep identity).
+
+    Example:
+        >>> s = model_state(model)
+        >>> s["lm_head.weight"] is s["model.embed_tokens.weight"]  # a tied model
+        True
     """
     state = dict(model.state_dict(keep_vars=True))
     for key in getattr(model, "_keys_to_ignore_on_save", None) or ():
@@ -139,7 +144,12 @@ def _is_transformers(model: nn.Module) -> bool:
 
 def out_dtype(t: torch.Tensor, dtype: torch.dtype | None) -> torch.dtype:
     """The saved dtype of ``t``: ``dtype`` for floating-point tensors when given (as
-    ``model.to(dtype)`` casts), else its own."""
+    ``model.to(dtype)`` casts), else its own.
+
+    Example:
+        >>> out_dtype(torch.zeros(2, dtype=torch.int64), torch.bfloat16)
+        torch.int64
+    """
     return dtype if dtype is not None and t.is_floating_point() else t.dtype
 
 
@@ -208,6 +218,13 @@ def hub_state(model: nn.Module, dtype: torch.dtype | None = None) -> dict[str, t
     Returns:
         hub key -> meta tensor. A tensor transformers' reverse ops leave as a view keeps
         its base in ``._base`` (the storage the shard splitter groups by).
+
+    Raises:
+        SaveError: transformers' reverse conversion cannot run on meta tensors.
+
+    Example:
+        >>> hub_state(qwen3_moe_model)["model.layers.0.mlp.experts.0.gate_proj.weight"].shape
+        torch.Size([16, 32])
     """
     meta = _untie(_meta_state(model_state(model), dtype), model)
     if _is_transformers(model):
@@ -340,6 +357,10 @@ def saved_config(model: nn.Module, config: Any, dtype: torch.dtype | None) -> An
 
     Returns:
         The config to save, or None.
+
+    Example:
+        >>> saved_config(model, None, torch.bfloat16).dtype
+        'bfloat16'
     """
     cfg = config if config is not None else getattr(model, "config", None)
     if cfg is None:

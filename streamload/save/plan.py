@@ -118,8 +118,14 @@ def tile_model(
         (canonical name -> the model tensor, canonical name -> its pieces).
 
     Raises:
-        SaveError: a model tensor no hub tensor fills, or a hub tensor not covered
-            exactly once (the loader's mapping and transformers' reverse disagree).
+        SaveError: a model tensor no hub tensor fills (or one built by an op with no
+            region form), or a hub tensor not covered exactly once (the loader's mapping
+            and transformers' reverse disagree).
+
+    Example:
+        >>> _, tiles = tile_model(qwen3_moe_model, output_layout(qwen3_moe_model))
+        >>> len(tiles["model.layers.0.mlp.experts.gate_up_proj"])  # gate and up of each expert
+        10
     """
     tensors, names = _unique(model)
     table = layout.table
@@ -224,5 +230,10 @@ def _first_byte(h: HubTensor, p: Piece) -> int:
 
 
 def local_of(t: torch.Tensor) -> torch.Tensor:
-    """This rank's local shard of ``t`` (the tensor itself when it is not a DTensor)."""
+    """This rank's local shard of ``t`` (the tensor itself when it is not a DTensor), detached.
+
+    Example:
+        >>> local_of(fsdp_param).shape  # dim 0 split over the ranks
+        torch.Size([43, 32])
+    """
     return local_tensor(t).detach()

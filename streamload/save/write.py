@@ -52,6 +52,13 @@ def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
 def file_runs(h: HubTensor, box: Box) -> list[tuple[int, int]]:
     """The (absolute file offset, length) runs of ``box`` of hub tensor ``h``, in row-major order.
 
+    Args:
+        h: the hub tensor (its file offset, dtype and shape).
+        box: [start, stop) per hub dim.
+
+    Returns:
+        One run per outer index of the box; a single run when the box is a contiguous span.
+
     Example:
         >>> file_runs(HubTensor("w", "F32", (4, 3), "f", 64), ((1, 3), (0, 3)))
         [(76, 24)]
@@ -174,7 +181,19 @@ def _piece_bytes(p: Piece, layout: Layout) -> int:
 
 
 def write_headers(layout: Layout, fds: dict[str, int]) -> int:
-    """Writes every file's safetensors header at offset 0 (one rank does this); returns the bytes."""
+    """Writes every file's safetensors header at offset 0 (one rank does this).
+
+    Args:
+        layout: the output layout (its files' header bytes).
+        fds: output file name -> a descriptor open for writing.
+
+    Returns:
+        The header bytes written.
+
+    Example:
+        >>> write_headers(layout, {f.name: out.open(f.name) for f in layout.files})
+        1296
+    """
     n = 0
     for f in layout.files:
         _pwrite_all(fds[f.name], memoryview(f.header), 0)
