@@ -59,6 +59,8 @@ def _reference(ckpt: str, where: Path) -> Path:
         model = AutoModelForCausalLM.from_config(config, dtype=config.dtype)
     model.load_state_dict(loaded.state_dict())
     model.generation_config = loaded.generation_config
+    # As loaded: transformers saves a model it loaded in natural key order (save/layout.py _as_loaded).
+    model._weight_conversions = loaded._weight_conversions
     model.save_pretrained(where, max_shard_size=cases.SHARD)
     return where
 
