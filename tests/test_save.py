@@ -121,6 +121,7 @@ def group():
 def test_round_trip(group: RankGroup, ckpts, tmp_path, ws: int, mt: str) -> None:
     res = group.run(cases.case_round_trip, ckpt=ckpts[mt], ws=ws, out=str(tmp_path / "out"), timeout=90)
     assert res[0]["files"] and all(r["report"].writers == "owners" for r in res[:ws])
+    assert all(sorted(r["report"].files) == res[0]["files"] for r in res[:ws])  # the same list on every rank
     assert sum(r["report"].bytes_written for r in res[:ws]) == sum(
         os.path.getsize(tmp_path / "out" / f) for f in res[0]["files"] if f.endswith(".safetensors")
     )

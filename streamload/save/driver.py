@@ -69,22 +69,26 @@ class _Clock:
 
 
 def _small_files(
-    model: nn.Module, config: Any, dtype: torch.dtype | None, layout: Layout, tmp: str
+    model: nn.Module, config: Any, dtype: torch.dtype | None, layout: Layout, tmp: str, write: bool
 ) -> list[str]:
-    """Index, config.json and generation_config.json, written by one rank; returns their names."""
+    """Index, config.json and generation_config.json: their names on every rank, the files
+    written where ``write`` (one rank)."""
     names = []
     if layout.index is not None:
-        with open(os.path.join(tmp, INDEX_NAME), "wb") as f:
-            f.write(layout.index)
+        if write:
+            with open(os.path.join(tmp, INDEX_NAME), "wb") as f:
+                f.write(layout.index)
         names.append(INDEX_NAME)
     cfg = saved_config(model, config, dtype)
     if cfg is not None and hasattr(cfg, "save_pretrained"):
-        cfg.save_pretrained(tmp)
+        if write:
+            cfg.save_pretrained(tmp)
         names.append("config.json")
     gen = getattr(model, "generation_config", None)
     can_generate = getattr(model, "can_generate", None)
     if gen is not None and callable(can_generate) and can_generate():
-        gen.save_pretrained(tmp)
+        if write:
+            gen.save_pretrained(tmp)
         names.append("generation_config.json")
     return names
 
@@ -179,13 +183,10 @@ def save_pretrained(
         report.bytes_written += stats.bytes_written
         report.writes = stats.writes
         report.peak_buffer_bytes = stats.peak_buffer_bytes
-        report.files = [f.name for f in layout.files]
-        small: list[str] = []
         if rank == 0:
             report.bytes_written += write_headers(layout, fds)
-            small = _small_files(model, config, dtype, layout, str(out.tmp_dir))
-        report.files += [INDEX_NAME] if layout.index is not None else []
-        report.files += [n for n in small if n != INDEX_NAME]
+        small = _small_files(model, config, dtype, layout, str(out.tmp_dir), write=rank == 0)
+        report.files = [f.name for f in layout.files] + small
         clock.mark("write")
     except BaseException as exc:
         # This rank's own planning failure when the agreement raised for it: finish re-raises
