@@ -113,6 +113,12 @@ def case_round_trip(
     failure: BaseException | None = None
     if rank == 0:
         try:
+            if step:  # the saved weights are the trained ones, not the checkpoint's
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore")
+                    start = dict(reference(ckpt, load_dtype).named_parameters())
+                moved = [n for n, t in fulls.items() if not _equal(t, start[n].detach())]
+                assert len(moved) > len(fulls) // 2, f"the step changed only {moved}"
             result["files"] = _check_against_transformers(
                 out, ckpt, fulls, want, load_dtype, save_dtype, max_shard_size
             )
