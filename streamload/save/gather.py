@@ -31,13 +31,11 @@ import torch
 import torch.distributed as dist
 
 from ..errors import RemoteRankError
-from ..io.copy_ops import ITEMSIZE
-from ..plan.buckets import split_box
 from ..transport.collectives import all_gather_object
 from .commit import Output
 from .layout import Layout
-from .plan import SavePlan, local_of
-from .write import _ALIGN, WriteStats, _Packer, _pwrite_all, write_owners
+from .plan import SavePlan
+from .write import _ALIGN, WriteStats, _Packer, _pwrite_all, pack_all, write_owners
 
 WRITERS = ("auto", "owners", "src")
 
@@ -136,22 +134,6 @@ class _SendPacker(_Packer):
         self.pos = 0
 
 
-def _pack_all(plan: SavePlan, layout: Layout, packer: _Packer) -> None:
-    """Every piece of ``plan`` through ``packer`` (cut to its buffer), then a last flush: the
-    owners writer's loop, so both writers cut and cast identically."""
-    limit = packer.buf.numel()
-    for piece in plan.pieces:
-        h = layout.tensors[piece.key]
-        src = piece.view(local_of(plan.tensors[piece.target]))
-        box = tuple((s, s + n) for s, n in zip(piece.src_start, piece.hub_shape(), strict=True))
-        for sub in split_box(box, ITEMSIZE[h.dtype], limit):
-            part = src
-            for d, ((lo, hi), (b0, _)) in enumerate(zip(sub, box, strict=True)):
-                part = part.narrow(d, lo - b0, hi - lo)
-            packer.add(h, sub, part)
-    packer.flush()
-
-
 def write_src(
     plan: SavePlan,
     layout: Layout,
@@ -191,7 +173,7 @@ def write_src(
         try:
             if plan.pieces:
                 # The owners loop, with a packer that sends: the pieces, their cuts and casts are the same.
-                _pack_all(plan, layout, _SendPacker(share, exchange, stats))
+                pack_all(plan, layout, _SendPacker(share, exchange, stats))
             while not exchange.step(None, [], done=True):
                 pass
         except _Stop:

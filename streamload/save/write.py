@@ -161,18 +161,7 @@ def write_owners(plan: SavePlan, layout: Layout, fds: dict[str, int], bucket_byt
     if not plan.pieces:
         return stats
     largest = max(_piece_bytes(p, layout) for p in plan.pieces)
-    packer = _Packer(max(_ALIGN, min(bucket_bytes, largest)), fds, stats)
-    limit = packer.buf.numel()
-    for piece in plan.pieces:
-        h = layout.tensors[piece.key]
-        src = piece.view(local_of(plan.tensors[piece.target]))
-        box = tuple((s, s + n) for s, n in zip(piece.src_start, piece.hub_shape(), strict=True))
-        for sub in split_box(box, ITEMSIZE[h.dtype], limit):
-            part = src
-            for d, ((lo, hi), (b0, _)) in enumerate(zip(sub, box, strict=True)):
-                part = part.narrow(d, lo - b0, hi - lo)
-            packer.add(h, sub, part)
-    packer.flush()
+    pack_all(plan, layout, _Packer(max(_ALIGN, min(bucket_bytes, largest)), fds, stats))
     return stats
 
 
@@ -199,3 +188,19 @@ def write_headers(layout: Layout, fds: dict[str, int]) -> int:
         _pwrite_all(fds[f.name], memoryview(f.header), 0)
         n += len(f.header)
     return n
+
+
+def pack_all(plan: SavePlan, layout: Layout, packer: _Packer) -> None:
+    """Every piece of ``plan`` through ``packer`` (cut to its buffer), then a last flush: the
+    owners writer's loop, so both writers cut and cast identically."""
+    limit = packer.buf.numel()
+    for piece in plan.pieces:
+        h = layout.tensors[piece.key]
+        src = piece.view(local_of(plan.tensors[piece.target]))
+        box = tuple((s, s + n) for s, n in zip(piece.src_start, piece.hub_shape(), strict=True))
+        for sub in split_box(box, ITEMSIZE[h.dtype], limit):
+            part = src
+            for d, ((lo, hi), (b0, _)) in enumerate(zip(sub, box, strict=True)):
+                part = part.narrow(d, lo - b0, hi - lo)
+            packer.add(h, sub, part)
+    packer.flush()
