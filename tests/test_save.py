@@ -288,3 +288,47 @@ def test_every_causal_lm_architecture_saves_as_transformers(tmp_path) -> None:
     assert not failed, failed
     assert sum(why == "" for why in outcomes.values()) > len(outcomes) // 2, outcomes
     assert set(refused) <= {"inkling2_text", "inkling2_loop_text", "inkling2"}, refused
+
+
+def test_overlapping_pieces_whose_sizes_add_up_are_refused() -> None:
+    """Two pieces of one hub tensor that overlap while their element counts add up to the
+    tensor's (one row written twice, another never) are a SaveError naming the tensor and both
+    boxes; the exact tiling passes."""
+    from streamload.errors import SaveError
+    from streamload.plan.regions import SourcePiece
+    from streamload.save.plan import _check_once
+
+    table = {"w": ("F32", (4, 2), "model.safetensors")}
+
+    def rows(lo: int, n: int) -> SourcePiece:
+        return SourcePiece("w", (0, 0), (n, 2), (lo, 0), (0, 1))
+
+    _check_once({"a": (rows(0, 2),), "b": (rows(2, 2),)}, table)  # exact tiling
+    # rows 0:2 and 1:3 overlap on row 1 and leave row 3 unwritten: 4 + 4 == 8 elements.
+    with pytest.raises(SaveError) as err:
+        _check_once({"a": (rows(0, 2),), "b": (rows(1, 2),)}, table)
+    assert err.value.tensor == "w"
+    assert "[0:2, 0:2]" in str(err.value) and "[1:3, 0:2]" in str(err.value), err.value
+    # Pieces in model dims that walk the hub dims transposed (dims (1, 0)) are compared in hub dims.
+    t = {
+        "a": (SourcePiece("w", (0, 0), (2, 2), (0, 0), (1, 0)),),
+        "b": (SourcePiece("w", (0, 0), (2, 2), (1, 0), (1, 0)),),
+    }
+    with pytest.raises(SaveError, match="same elements"):
+        _check_once(t, table)
+    # Too few elements, no overlap: still refused.
+    with pytest.raises(SaveError, match="cover 4 of 8"):
+        _check_once({"a": (rows(0, 2),)}, table)
+
+
+def test_layout_without_huggingface_hub_is_a_save_error(monkeypatch) -> None:
+    """Without huggingface_hub (not a core dependency) the layout is a SaveError whose hint
+    names the [hf] extra, not an ImportError from deep inside the save."""
+    import sys
+
+    from streamload.errors import SaveError
+
+    monkeypatch.setitem(sys.modules, "huggingface_hub.serialization._base", None)
+    with pytest.raises(SaveError) as err:
+        output_layout(torch.nn.Linear(2, 2))
+    assert err.value.hint is not None and "streamload[hf]" in err.value.hint

@@ -303,7 +303,13 @@ def output_layout(
         >>> [f.name for f in lay.files]
         ['model-00001-of-00002.safetensors', 'model-00002-of-00002.safetensors']
     """
-    from huggingface_hub.serialization._base import split_state_dict_into_shards_factory
+    try:  # the [hf] extra (transformers brings it), not a core dependency
+        from huggingface_hub.serialization._base import split_state_dict_into_shards_factory
+    except ImportError as e:
+        raise SaveError(
+            f"saving needs huggingface_hub's shard splitter ({e})",
+            hint="pip install 'streamload[hf]'",
+        ) from e
 
     hub = hub_state(model, dtype)
     split = split_state_dict_into_shards_factory(

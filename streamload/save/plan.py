@@ -14,8 +14,9 @@ leaves unsharded, or a model with no DTensor at all) by group rank 0.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -24,7 +25,7 @@ from ..errors import SaveError
 from ..io.copy_ops import ITEMSIZE
 from ..model.state import local_placement, local_tensor
 from ..plan.convert import plan_conversions
-from ..plan.regions import SourcePiece, box_numel, identity_piece, regions_for_box
+from ..plan.regions import SourcePiece, box_numel, find_overlap, identity_piece, regions_for_box
 from .layout import HubTensor, Layout, model_state
 
 
@@ -157,18 +158,61 @@ def tile_model(
             if canon not in conv.pieces:
                 raise SaveError(f"no output tensor holds '{canon}' {list(rest[canon])}", tensor=canon)
             pieces[canon] = conv.pieces[canon]
-    covered = dict.fromkeys(table, 0)
+    _check_once(pieces, table)
+    return tensors, pieces
+
+
+def _check_once(pieces: dict[str, tuple[SourcePiece, ...]], table: Mapping[str, tuple[Any, ...]]) -> None:
+    """Raises SaveError unless the pieces cover every hub tensor of ``table`` exactly once.
+
+    Element totals alone would pass two overlapping pieces whose sizes add up (one region
+    written twice, another never written), so overlaps are looked for first, per hub tensor,
+    on the pieces' boxes in hub coordinates.
+
+    Args:
+        pieces: model tensor name -> the hub pieces tiling it.
+        table: hub tensor name -> (dtype, shape, file), as ``Layout.table`` gives it.
+
+    Raises:
+        SaveError: two pieces write the same elements of a hub tensor, or a hub tensor's
+            elements are not all covered.
+    """
+    by_key: dict[str, list[SourcePiece]] = {key: [] for key in table}
     for ps in pieces.values():
         for p in ps:
-            covered[p.key] += box_numel(p.dst_box)
-    for key, (_, shape, _) in table.items():
-        n = box_numel(tuple((0, s) for s in shape))
-        if covered[key] != n:
+            by_key[p.key].append(_in_hub(p))
+    for key, found in by_key.items():
+        hit = find_overlap(found)
+        if hit is not None:
+            a, b, both = hit
             raise SaveError(
-                f"output tensor '{key}' {list(shape)}: model tensors cover {covered[key]} of {n} elements",
+                f"output tensor '{key}': two model pieces write the same elements {_fmt(both)} "
+                f"(boxes {_fmt(a.dst_box)} and {_fmt(b.dst_box)}): the loader's mapping and "
+                "transformers' reverse disagree",
                 tensor=key,
             )
-    return tensors, pieces
+    for key, (_, shape, _) in table.items():
+        n = box_numel(tuple((0, s) for s in shape))
+        covered = sum(box_numel(p.dst_box) for p in by_key[key])
+        if covered != n:
+            raise SaveError(
+                f"output tensor '{key}' {list(shape)}: model tensors cover {covered} of {n} elements",
+                tensor=key,
+            )
+
+
+def _in_hub(p: SourcePiece) -> SourcePiece:
+    """``p`` as a piece of its hub tensor: its box in hub coordinates (hub dims in order)."""
+    shape = [1] * len(p.src_start)
+    for d, s in enumerate(p.dims):
+        if s is not None:
+            shape[s] = p.shape[d]
+    n = len(p.src_start)
+    return SourcePiece(p.key, p.src_start, tuple(shape), p.src_start, tuple(range(n)))
+
+
+def _fmt(box: tuple[tuple[int, int], ...]) -> str:
+    return "[" + ", ".join(f"{lo}:{hi}" for lo, hi in box) + "]"
 
 
 def _writes(t: torch.Tensor, group_rank: int) -> bool:
