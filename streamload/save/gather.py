@@ -4,23 +4,24 @@ For output directories that only the writing rank sees (node-local disks).
 Each rank packs its pieces exactly as the ``owners`` writer does (same
 packer, file order, casts on the way in), but a full buffer is sent instead
 of written: one step per bucket is an all-gather of every rank's run list
-(small: file, offset, length per run, plus done / failed flags; never a
-tensor) and one ``all_to_all_single`` that moves each rank's packed bytes to
-the writer, which ``pwrite``s them. A rank that has sent everything keeps
-taking part with empty buckets until every rank is done, so every rank runs
-the same number of collectives.
+(file, offset, length per run, plus done / failed flags; never a tensor) and
+one ``all_to_all_single`` that moves each rank's packed bytes to the writer,
+which ``pwrite``s them. The run lists reach every rank, not only the writer,
+and they are not always small: a shard that is not contiguous in the file
+(a shard of dim 1, as column-wise TP makes) is one run per row. A rank that has sent
+everything keeps taking part with empty buckets until every rank is done, so
+every rank runs the same number of collectives.
 
-Memory: each rank's packer holds ``bucket_bytes / world`` (so the writer's
-receive buffer is one ``bucket_bytes`` at most per step).
+Memory: each rank's packer holds ``bucket_bytes / world``; the writer holds its
+own share plus the step's receive buffer (every rank's share, about
+``bucket_bytes``), so about ``bucket_bytes + bucket_bytes / world`` (and a host
+copy of the receive buffer when the wire buffers are on a GPU).
 
 Failures are agreed per bucket: a rank whose packing (or the writer, whose
 ``pwrite``) fails says so in the next step's all-gather, every rank stops
 there, the failing rank raises its own exception and the others a
 ``RemoteRankError`` naming it; ``Output.finish`` then agrees on the one
 ``SaveError`` every rank raises.
-
-``choose_writers`` decides ``"auto"``: owners when every rank provably sees
-the writer's temporary directory (``Output.shared``), else src.
 """
 
 from __future__ import annotations
@@ -32,12 +33,9 @@ import torch.distributed as dist
 
 from ..errors import RemoteRankError
 from ..transport.collectives import all_gather_object
-from .commit import Output
 from .layout import Layout
 from .plan import SavePlan
 from .write import _ALIGN, WriteStats, _Packer, _pwrite_all, pack_all, write_owners
-
-WRITERS = ("auto", "owners", "src")
 
 
 class _Stop(Exception):
@@ -191,13 +189,3 @@ def write_src(
             f"rank {stop.rank} failed while saving: {stop.reason}", rank=stop.rank
         ) from None
     return stats
-
-
-def choose_writers(out: Output, writers: str) -> str:
-    """Collective: ``"owners"`` or ``"src"`` for ``writers`` (``"auto"``: owners when every rank
-    sees the same temporary directory, proved by ``Output.shared``; agreed on every rank)."""
-    if writers not in WRITERS:
-        raise ValueError(f"writers must be one of {WRITERS}, not {writers!r}")
-    if writers != "auto":
-        return writers
-    return "owners" if out.shared() else "src"

@@ -12,7 +12,7 @@ own shards.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -38,7 +38,6 @@ class WriteStats:
     bytes_written: int = 0
     writes: int = 0
     peak_buffer_bytes: int = 0
-    buffers: list[int] = field(default_factory=list)
 
 
 def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
@@ -105,7 +104,6 @@ class _Packer:
         self.fds = fds
         self.stats = stats
         self.stats.peak_buffer_bytes = max(self.stats.peak_buffer_bytes, bucket_bytes)
-        self.stats.buffers.append(bucket_bytes)
         self.pos = 0
         self.runs: list[tuple[str, int, int, int]] = []  # (file, file offset, buffer offset, length)
 
