@@ -1,5 +1,5 @@
 """docs/options.md is the one place options are documented: every STREAMLOAD_* name the code
-reads or defines, every keyword of load_checkpoint and from_pretrained, and each environment
+reads or defines, every keyword of load_checkpoint, from_pretrained and save_pretrained, and each environment
 override beside the keyword it overrides."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import inspect
 import re
 from pathlib import Path
 
-from streamload import from_pretrained, load_checkpoint
+from streamload import from_pretrained, load_checkpoint, save_pretrained
 from streamload.options import ENV_OVERRIDES
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -56,6 +56,10 @@ def test_every_keyword_is_documented() -> None:
     own = [p for p, v in inspect.signature(from_pretrained).parameters.items() if v.kind is not v.VAR_KEYWORD]
     missing = set(own) - _documented_keywords("from_pretrained")
     assert not missing, f"from_pretrained keywords not in docs/options.md: {sorted(missing)}"
+    save = [p for p in inspect.signature(save_pretrained).parameters if p not in ("model", "out_dir")]
+    assert "writers" in save  # the signature is read, not an empty list
+    missing = set(save) - _documented_keywords("save_pretrained")
+    assert not missing, f"save_pretrained keywords not in docs/options.md: {sorted(missing)}"
 
 
 def test_each_override_sits_beside_its_keyword() -> None:
