@@ -5,21 +5,24 @@
   (no transport; replicated tensors are read by each rank that holds them).
 - ``node``: one reader per node scatters to the ranks of its node; nothing
   crosses between nodes.
-- ``auto``: ranks all-gather the identity of the files they see (device,
-  inode, size and modification time) and pick owners or node only where the
-  readers provably read the very same files; anything else is src. The
-  reader's identity is that of the descriptors it already opened, and every
-  other reader checks the descriptors it opens against it: files replaced
-  while the load starts make it fall back to src (``fall_back``), never mix.
+- ``auto``: ranks all-gather the identity of the files they see (per file:
+  name, st_dev, st_ino, st_size, st_mtime_ns) and their fingerprint (size, a
+  sha1 of the header and of SAMPLES evenly spaced data blocks). A rank counts
+  as reading the reader's files when its identity equals the reader's and,
+  on another node, its fingerprint does too; owners or node only where every
+  reader counts so, anything else is src. The reader's identity is that of
+  the descriptors it already opened, and every other reader checks the
+  descriptors it opens against it: files replaced while the load starts
+  make it fall back to src (``fall_back``), never mix.
 
-Why auto never trusts copies: equal sizes, headers and sampled blocks do not
-prove equal bytes (two copies may differ anywhere between the samples, and
-hashing every byte would cost a full read on every rank), and a load that
-mixes two copies is silently wrong. Only the same file on a shared file
-system is proof (across hosts the identity must come with equal sampled-data
-fingerprints too: two hosts' fresh disks unpacked alike can repeat device,
-inode and mtime). ``readers="owners"`` / ``"node"`` say the caller trusts the
-copies: they are checked against the cheap fingerprints, and then read.
+What auto accepts: it looks for one copy on a shared file system. On the
+reader's node the identity is proof (a copy has another inode). Across hosts
+it is not (two hosts' fresh disks unpacked alike can repeat device, inode and
+mtime), so the sampled fingerprint must agree as well; a separate copy that
+matches both is accepted, and bytes differing between the samples go unseen
+(hashing every byte would cost a full read on every rank). ``readers="owners"``
+/ ``"node"`` say the caller trusts the copies: they are checked against the
+fingerprints alone, and then read.
 """
 
 from __future__ import annotations
