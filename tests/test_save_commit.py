@@ -69,8 +69,107 @@ def test_replaces_existing_target(tmp_path: Path, monkeypatch: pytest.MonkeyPatc
     with open_output(target) as out:
         out.create_files({"model.safetensors": 3})
         os.pwrite(out.open("model.safetensors"), b"new", 0)
-    # The whole directory is replaced: a stale shard of the old checkpoint does not survive.
-    assert _snapshot(target) == {"model.safetensors": b"new"}
+    # The weights are replaced (a stale shard of the old checkpoint does not survive); the
+    # old config.json, which this save does not write, is kept as transformers keeps it.
+    assert _snapshot(target) == {"model.safetensors": b"new", "config.json": b'{"old": 1}'}
+    assert _leftovers(tmp_path) == []
+
+
+@pytest.mark.parametrize("exchange", [True, False], ids=["renameat2", "rename-aside"])
+def test_replace_keeps_unrelated_files(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, exchange: bool
+) -> None:
+    """Files the new save does not write survive the swap (hard-linked over, same content);
+    the old weight shards and their index are gone; the new files are the new save's."""
+    target = tmp_path / "ckpt"
+    target.mkdir()
+    (target / "tokenizer.json").write_text('{"tok": 1}')
+    (target / "config.json").write_text('{"old": 1}')
+    (target / "sub" / "deeper").mkdir(parents=True)
+    (target / "sub" / "notes.txt").write_text("keep me")
+    (target / "sub" / "deeper" / "x.safetensors").write_bytes(b"another checkpoint's weights")
+    (target / "model-00001-of-00002.safetensors").write_bytes(b"old shard 1")
+    (target / "model-00002-of-00002.safetensors").write_bytes(b"old shard 2")
+    (target / "model.safetensors.index.json").write_text('{"weight_map": {}}')
+    (target / "link").symlink_to("tokenizer.json")
+    inode = (target / "tokenizer.json").stat().st_ino
+    if not exchange:
+        monkeypatch.setattr(commit, "rename_exchange", lambda src, dst: False)
+    with open_output(target) as out:
+        out.create_files({"model.safetensors": 3})
+        os.pwrite(out.open("model.safetensors"), b"new", 0)
+        out.write_file("config.json", b'{"new": 1}')
+    assert _snapshot(target) == {
+        "model.safetensors": b"new",
+        "config.json": b'{"new": 1}',  # written by the new save: the old one is not carried over it
+        "tokenizer.json": b'{"tok": 1}',
+        "sub/notes.txt": b"keep me",
+        "sub/deeper/x.safetensors": b"another checkpoint's weights",  # only top-level weights go
+        "link": b'{"tok": 1}',
+    }
+    assert (target / "link").is_symlink() and os.readlink(target / "link") == "tokenizer.json"
+    assert (target / "tokenizer.json").stat().st_ino == inode  # linked, not copied
+    assert _leftovers(tmp_path) == []
+
+
+def test_carry_copies_where_linking_fails(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    target = tmp_path / "ckpt"
+    target.mkdir()
+    (target / "tokenizer.json").write_text("tok")
+    (target / "sub").mkdir()
+    (target / "sub" / "a.txt").write_text("a")
+
+    def no_link(*args: object, **kwargs: object) -> None:
+        raise OSError(errno.EXDEV, os.strerror(errno.EXDEV))
+
+    monkeypatch.setattr(commit.os, "link", no_link)
+    with open_output(target) as out:
+        out.create_files({"model.safetensors": 1})
+    assert _snapshot(target) == {"model.safetensors": b"\0", "tokenizer.json": b"tok", "sub/a.txt": b"a"}
+    assert _leftovers(tmp_path) == []
+
+
+def test_carry_failure_leaves_target_untouched(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    target = tmp_path / "ckpt"
+    before = _old_checkpoint(target)
+    (target / "tokenizer.json").write_text("tok")
+    before = _snapshot(target)
+
+    def fail(src: str, dst: str) -> str:
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(commit, "_link_or_copy", fail)
+    with pytest.raises(SaveError, match="No space left on device"):
+        with open_output(target) as out:
+            out.create_files({"model.safetensors": 1})
+    assert _snapshot(target) == before
+    assert _leftovers(tmp_path) == []
+
+
+@pytest.mark.parametrize("exchange", [True, False], ids=["renameat2", "rename-aside"])
+def test_failure_after_the_rename_is_a_committed_save(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, exchange: bool
+) -> None:
+    """The parent's fsync fails after the swap: the new checkpoint stays in place, the save
+    reports success with a warning, and the old copy is removed (no leftovers)."""
+    target = tmp_path / "ckpt"
+    _old_checkpoint(target)
+    real = commit._fsync_path
+
+    def fsync(path: Path) -> None:
+        if Path(path) == tmp_path:
+            raise OSError(errno.EIO, os.strerror(errno.EIO))
+        real(path)
+
+    monkeypatch.setattr(commit, "_fsync_path", fsync)
+    if not exchange:
+        monkeypatch.setattr(commit, "rename_exchange", lambda src, dst: False)
+    with caplog.at_level("WARNING", logger="streamload"):
+        with open_output(target) as out:
+            out.create_files({"model.safetensors": 3})
+            os.pwrite(out.open("model.safetensors"), b"new", 0)
+    assert _snapshot(target) == {"model.safetensors": b"new", "config.json": b'{"old": 1}'}
+    assert "could not fsync" in caplog.text and "Input/output error" in caplog.text
     assert _leftovers(tmp_path) == []
 
 
@@ -238,7 +337,11 @@ def test_ranks_commit(group3, tmp_path: Path) -> None:
     assert before
     got = group3.run(cases.case_save, timeout=60, target=str(target))
     assert [g["raised"] for g in got] == [None] * WORLD, got
-    assert _snapshot(target) == {"data.bin": cases.expected(WORLD), "index.json": b'{"ok": true}'}
+    assert _snapshot(target) == {  # the old weights replaced, its config (not written now) kept
+        "data.bin": cases.expected(WORLD),
+        "index.json": b'{"ok": true}',
+        "config.json": b'{"old": 1}',
+    }
     assert _leftovers(tmp_path) == []
 
 

@@ -13,14 +13,21 @@ every step, in order)::
 ``finish`` fsyncs every descriptor ``open`` handed out, all-gathers whether
 each rank's writes succeeded, and then group rank 0 fsyncs the files and the
 directory and renames it into place: an existing target is swapped atomically
-(Linux ``renameat2(RENAME_EXCHANGE)``) and the old checkpoint removed. Where
+(Linux ``renameat2(RENAME_EXCHANGE)``) and the old checkpoint removed. As with
+transformers' ``save_pretrained``, files of the existing target the new save does
+not write (a tokenizer, a README, code, subdirectories such as other checkpoints)
+are kept: before the swap they are hard-linked (copied where linking fails) into
+the temporary directory; only the old weight files (``*.safetensors``,
+``*.safetensors.index.json``) are dropped, so no stale shard survives. Where
 the exchange is not supported (another OS, an old kernel, a file system
 without it), the old target is first renamed aside and then removed: a crash
 between those two renames leaves the old checkpoint at
 ``<parent>/.<name>.streamload-old-<id>`` and nothing at the target, never a
 mix. A failure on any rank is one ``SaveError`` on every rank (naming the
 failing rank and its cause), raised after the temporary directory was
-removed; the target is untouched.
+removed; the target is untouched. Once the new checkpoint is renamed into
+place the save is committed: a later failure (the parent directory's fsync, the
+old copy's removal) is logged as a warning, never an error.
 """
 
 from __future__ import annotations
@@ -150,6 +157,29 @@ def _remove(path: Path) -> None:
         log.warning("streamload: could not remove %s: %s", path, exc)
 
 
+# The old checkpoint's weight files: replaced by the new save's, never carried over.
+_WEIGHTS = (".safetensors", ".safetensors.index.json")
+
+
+def _link_or_copy(src: str, dst: str) -> str:
+    """Hard-links ``src`` at ``dst``; copies it where linking fails (another device, not permitted)."""
+    try:
+        os.link(src, dst, follow_symlinks=False)
+    except OSError:
+        shutil.copy2(src, dst, follow_symlinks=False)  # raises what a copy cannot do either (space)
+    return dst
+
+
+def _carry_entry(src: Path, dst: Path) -> None:
+    """Puts ``src`` (a file, a symlink or a directory tree) at ``dst`` by hard links."""
+    if src.is_symlink():
+        os.symlink(os.readlink(src), dst)
+    elif src.is_dir():
+        shutil.copytree(src, dst, symlinks=True, copy_function=_link_or_copy)
+    else:
+        _link_or_copy(str(src), str(dst))
+
+
 class Output:
     """One save's temporary directory and the files in it; made by ``open_output``.
 
@@ -172,6 +202,7 @@ class Output:
         self.global_rank = _global_rank(group)
         self.fds: dict[str, int] = {}
         self.finished = False
+        self.swapped = False  # the new checkpoint is at out_dir (set by _commit on group rank 0)
 
     # -- agreement ------------------------------------------------------------------
 
@@ -307,40 +338,65 @@ class Output:
         self.fds.clear()
         return first
 
-    def _commit(self) -> None:
-        """On group rank 0: makes the temporary directory durable and renames it into place."""
-        _fsync_tree(self.tmp_dir)
+    def _carry(self) -> None:
+        """Carries into the temporary directory every entry of the existing target that the new
+        save does not write and that is not an old weight file, so the swap keeps them."""
         target = self.out_dir
-        if not target.exists() and not target.is_symlink():
-            os.rename(self.tmp_dir, target)
-        elif target.is_dir() and not target.is_symlink():
-            if rename_exchange(self.tmp_dir, target):
-                old = self.tmp_dir  # after the exchange the old checkpoint sits at the temporary path
-            else:
-                # No atomic exchange here: rename the old target aside first. A crash between the
-                # two renames leaves the old checkpoint under the aside name, never a mix.
-                old = target.parent / f".{target.name}{OLD_TAG}{self.tmp_dir.name.rsplit('-', 1)[-1]}"
-                os.rename(target, old)
-                try:
-                    os.rename(self.tmp_dir, target)
-                except BaseException:
-                    os.rename(old, target)
-                    raise
-            _fsync_path(target.parent)
-            _remove(old)
-        else:
+        if not target.is_dir() or target.is_symlink():
+            return
+        with os.scandir(target) as entries:
+            names = sorted(e.name for e in entries)
+        for name in names:
+            dst = self.tmp_dir / name
+            if name.endswith(_WEIGHTS) or os.path.lexists(dst):
+                continue
+            _carry_entry(target / name, dst)
+
+    def _commit(self) -> None:
+        """On group rank 0: makes the temporary directory durable and renames it into place.
+
+        Sets ``self.swapped`` once the new checkpoint is at the target; from then on nothing
+        raises (the save is committed) and the temporary path is only removed as the old copy.
+        """
+        target = self.out_dir
+        if target.exists() and not (target.is_dir() and not target.is_symlink()):
             raise NotADirectoryError(
                 errno.ENOTDIR, "the save target exists and is not a directory", str(target)
             )
-        _fsync_path(target.parent)
+        self._carry()
+        _fsync_tree(self.tmp_dir)
+        old: Path | None = None
+        if not target.exists() and not target.is_symlink():
+            os.rename(self.tmp_dir, target)
+        elif rename_exchange(self.tmp_dir, target):
+            old = self.tmp_dir  # after the exchange the old checkpoint sits at the temporary path
+        else:
+            # No atomic exchange here: rename the old target aside first. A crash between the
+            # two renames leaves the old checkpoint under the aside name, never a mix.
+            old = target.parent / f".{target.name}{OLD_TAG}{self.tmp_dir.name.rsplit('-', 1)[-1]}"
+            os.rename(target, old)
+            try:
+                os.rename(self.tmp_dir, target)
+            except BaseException:
+                os.rename(old, target)
+                raise
+        self.swapped = True
+        try:
+            _fsync_path(target.parent)
+        except OSError as exc:
+            # The rename happened: the new checkpoint is in place, only its durability across a
+            # crash is unconfirmed. Failing here would report a committed save as not made.
+            log.warning("streamload: saved %s, but could not fsync %s: %s", target, target.parent, exc)
+        if old is not None:
+            _remove(old)
 
     def finish(self, ok: bool = True, error: BaseException | None = None) -> None:
         """Collective: commits the save, or removes it; every rank calls it exactly once.
 
         Every rank fsyncs and closes its descriptors; the ranks then agree whether all writes
-        succeeded. If so, group rank 0 fsyncs the files and the directory and renames the
-        temporary directory into place (an existing target swapped atomically, the old one
-        removed). Otherwise (or if the commit fails) the temporary directory is removed and
+        succeeded. If so, group rank 0 carries the existing target's other files over (all but
+        its old weight files), fsyncs the files and the directory and renames the temporary
+        directory into place (an existing target swapped atomically, the old one removed). Otherwise (or if the commit fails) the temporary directory is removed and
         every rank raises the same ``SaveError``.
 
         Args:
@@ -365,13 +421,22 @@ class Output:
                 self._discard()
                 raise
             committed: BaseException | None = None
+            late: BaseException | None = None
             if self.rank == 0:
                 try:
                     self._commit()
                 except BaseException as exc:  # noqa: BLE001 - agreed below
-                    committed = exc
-                    _remove(self.tmp_dir)
+                    if self.swapped:
+                        # Past the rename the save is committed: never remove the temporary
+                        # path here (it may hold the old checkpoint, _commit's to remove).
+                        log.warning("streamload: saved %s; after the rename: %r", self.out_dir, exc)
+                        late = exc
+                    else:
+                        committed = exc
+                        _remove(self.tmp_dir)
             self.agree(committed)
+            if late is not None and not isinstance(late, Exception):
+                raise late  # an interrupt stays an interrupt, after the other ranks heard "saved"
         except SaveError:
             if isinstance(local, BaseException) and not isinstance(local, Exception):
                 raise local from None
