@@ -20,7 +20,7 @@ from torch import nn
 
 import streamload
 from streamload.errors import SaveError
-from streamload.save import driver, write
+from streamload.save import commit, driver, write
 
 BUCKET = 4096
 SHARD = "16KB"
@@ -81,6 +81,15 @@ def injected(where: str, at: int) -> Iterator[None]:
             yield
         finally:
             os.pwrite = real_pwrite
+    elif where == "open":
+        real_open = commit.Output.open
+        commit.Output.open = _nth(  # type: ignore[method-assign]
+            at, lambda: OSError(errno.EMFILE, os.strerror(errno.EMFILE)), real_open
+        )
+        try:
+            yield
+        finally:
+            commit.Output.open = real_open  # type: ignore[method-assign]
     elif where == "plan":
         real_plan = driver.plan_save
         driver.plan_save = _nth(at, lambda: RuntimeError("injected plan failure"), real_plan)
@@ -138,4 +147,19 @@ def case_save(
     )
     if reports:
         got.update(writers=reports[0].writers, bytes=reports[0].bytes_written)
+    return got
+
+
+def case_disagree(rank: int, world: int, *, ckpt: str, out: str, how: str) -> dict[str, Any]:
+    """A save whose ranks cannot write one checkpoint: ``"dtype"`` - rank 1 casts, the others do
+    not (other headers, other offsets); ``"subgroup"`` - each rank saves over a group of its
+    own (a group smaller than the model's mesh: the other ranks' bytes would stay zeros)."""
+    model = model_for(ckpt)
+    if how == "dtype":
+        got = _outcome(lambda: driver.save_pretrained(model, out, dtype=torch.float32 if rank == 1 else None))
+    else:
+        own = [dist.new_group([r]) for r in range(world)][rank]  # new_group is collective over the world
+        got = _outcome(lambda: driver.save_pretrained(model, f"{out}-{rank}", process_group=own))
+    rep = driver.save_pretrained(model, out + "-after")  # still in step
+    got["after"] = rep.writers
     return got

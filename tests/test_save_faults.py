@@ -64,14 +64,19 @@ FAULTS = [
     ("pwrite", 0, 2, "No space left on device"),
     ("pwrite", 2, 1, "No space left on device"),
     ("plan", 2, 1, "injected plan failure"),
+    ("open", 0, 1, "Too many open files"),  # in src the writer alone opens: it must not stream alone
+    ("open", 2, 2, "Too many open files"),
     ("interrupt", 1, 3, "KeyboardInterrupt"),
     ("interrupt", 0, 2, "KeyboardInterrupt"),
 ]
 
 
-# In src mode only rank 0 calls pwrite: a pwrite fault on another rank is no case there.
+# In src mode only rank 0 calls pwrite and opens the files: such a fault on another rank is no case there.
 CASES = [
-    (w, *f) for w in ("owners", "src") for f in FAULTS if not (w == "src" and f[0] == "pwrite" and f[1] != 0)
+    (w, *f)
+    for w in ("owners", "src")
+    for f in FAULTS
+    if not (w == "src" and f[0] in ("pwrite", "open") and f[1] != 0)
 ]
 
 
@@ -99,6 +104,27 @@ def test_fault_agreed(
     assert [g["after"] for g in got] == [writers] * WORLD  # still in step: the next save succeeds
     assert (target.parent / f"{target.name}-after" / "config.json").exists()
     assert _leftovers(tmp_path) == []
+
+
+@pytest.mark.parametrize(
+    "how,words",
+    [
+        ("dtype", "the ranks planned different output files"),
+        ("subgroup", "the save's ranks hold"),
+    ],
+)
+def test_ranks_that_cannot_write_one_checkpoint_fail_together(
+    group: RankGroup, ckpt: str, tmp_path: Path, how: str, words: str
+) -> None:
+    """Ranks that planned other headers (another dtype) or a save group smaller than the
+    model's mesh: a SaveError on every rank before any byte is written (the files would
+    otherwise hold another rank's offsets, or zeros where no rank of the group wrote)."""
+    target = tmp_path / "ckpt"
+    got = group.run(cases.case_disagree, timeout=TIMEOUT, ckpt=ckpt, out=str(target), how=how)
+    assert all(g["raised"] == "SaveError" and words in g["text"] for g in got), got
+    assert not target.exists() and not any((tmp_path / f"ckpt-{r}").exists() for r in range(WORLD))
+    assert _leftovers(tmp_path) == []
+    assert all((tmp_path / "ckpt-after" / "config.json").exists() for _ in got)
 
 
 def test_src_separate_directories(group: RankGroup, ckpt: str, tmp_path: Path) -> None:

@@ -79,8 +79,10 @@ def load_checkpoint(
             its node), or "auto" (the default: owners when every rank opens the very same files - same
             device, inode, size and mtime -, node when each node has a rank that does, else src).
             "owners" and "node" trust that every reader's copy holds the reader's bytes (checked only
-            by size, header and sampled blocks); auto never trusts copies, as it cannot prove them equal
-            without reading them. The choice and the reason are in ``LoadReport.reader``.
+            by size, header and sampled blocks); auto accepts a file only when its (device, inode, size,
+            mtime_ns), read from the descriptors each reader holds open, and its header and 16 sampled
+            4 KiB blocks equal the reader's (docs/design.md). The choice and the reason are in
+            ``LoadReport.reader``.
         map_files: on the CPU, a shard this rank reads itself that is one contiguous run of one checkpoint
             tensor in the parameter's dtype can become a copy-on-write view of the file (owning exactly
             its bytes) rather than a copy; the file is never written. "auto" (the default): only tensors

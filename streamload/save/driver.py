@@ -4,6 +4,8 @@ writing its own bytes, in one pass, atomically."""
 
 from __future__ import annotations
 
+import hashlib
+import math
 import os
 import time
 from dataclasses import dataclass, field
@@ -13,6 +15,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..errors import SaveError
+from ..io.copy_ops import ITEMSIZE
+from ..load.source import resolve_device, resolve_group
+from ..transport.collectives import all_gather_object
+from ..transport.protocol import carries_cpu
 from .commit import open_output
 from .gather import write_src
 from .layout import INDEX_NAME, Layout, output_layout, saved_config
@@ -45,16 +52,6 @@ class SaveReport:
     phases: dict[str, float] = field(default_factory=dict)
     peak_buffer_bytes: int = 0
     writes: int = 0
-
-
-def _group(process_group: dist.ProcessGroup | None, device_mesh: Any) -> dist.ProcessGroup | None:
-    if process_group is not None:
-        return process_group
-    if device_mesh is not None and device_mesh.ndim == 1:
-        return device_mesh.get_group()
-    if dist.is_available() and dist.is_initialized():
-        return dist.group.WORLD
-    return None
 
 
 class _Clock:
@@ -91,6 +88,45 @@ def _small_files(
             gen.save_pretrained(tmp)
         names.append("generation_config.json")
     return names
+
+
+def check_same_output(
+    layout: Layout, plan: SavePlan, group: dist.ProcessGroup | None, device: torch.device
+) -> None:
+    """Collective: every rank planned the same files, and the ranks' pieces add up to every
+    byte of them exactly once.
+
+    Each rank plans alone (from its own model, ``dtype`` and ``max_shard_size``); a rank that
+    planned other headers would write at other offsets, and a save group smaller than the
+    model's mesh (a data-parallel group of a TP x FSDP model) would leave other ranks' bytes
+    as zeros. Either is a ``SaveError`` on every rank before any byte is written.
+    """
+    if group is None or dist.get_world_size(group) == 1:
+        digests, counts = [_digest(layout)], [plan.bytes_to_write(layout)]
+    else:
+        gathered = all_gather_object((_digest(layout), plan.bytes_to_write(layout)), group, device)
+        digests, counts = [g[0] for g in gathered], [g[1] for g in gathered]
+    if len(set(digests)) > 1:
+        bad = [r for r, d in enumerate(digests) if d != digests[0]]
+        raise SaveError(
+            f"the ranks planned different output files (group ranks {bad} differ from rank 0)",
+            hint="call save_pretrained with the same dtype= and max_shard_size= on every rank of the save's group",
+        )
+    need = sum(math.prod(t.shape) * ITEMSIZE[t.dtype] for t in layout.tensors.values())
+    if sum(counts) != need:
+        raise SaveError(
+            f"the save's ranks hold {sum(counts)} of the checkpoint's {need} bytes",
+            hint="save over every rank that holds a shard of the model: process_group= the group the model"
+            " is sharded over (for a TP x FSDP model, the whole mesh, not mesh['dp'])",
+        )
+
+
+def _digest(layout: Layout) -> str:
+    h = hashlib.sha1()
+    for f in layout.files:
+        h.update(f.name.encode() + b"\0" + f.size.to_bytes(8, "little") + f.header)
+    h.update(layout.index or b"")
+    return h.hexdigest()
 
 
 def _write(
@@ -137,9 +173,11 @@ def save_pretrained(
         writers: ``"owners"`` (every rank writes into the files; one file system every
             rank sees), ``"src"`` (one rank writes, the others send their pieces) or
             ``"auto"`` (owners when every rank sees the temporary directory, else src).
-        process_group: the save's group (default: the 1-D ``device_mesh``'s group, else the
-            default group when torch.distributed is initialized, else one process).
-        device_mesh: the model's mesh (only used to find the group).
+        process_group: the save's group (default: ``device_mesh``'s ranks - a 1-D mesh's group,
+            an N-d mesh over part of the world flattened -, else the default group when
+            torch.distributed is initialized, else one process). It must hold every rank
+            that holds a shard: a smaller group is a ``SaveError`` on every rank.
+        device_mesh: the model's mesh (finds the group and the device of the agreements).
         config: the config to write (default ``model.config``).
         progress: reserved for a progress bar (the save logs nothing by default).
         bucket_bytes: host buffer bytes per rank (default 64 MiB).
@@ -158,11 +196,18 @@ def save_pretrained(
     if writers not in WRITERS:
         raise ValueError(f"writers must be one of {WRITERS}, not {writers!r}")
     clock = _Clock()
-    group = _group(process_group, device_mesh)
+    group = resolve_group(process_group, device_mesh)
     rank = dist.get_rank(group) if group is not None else 0
     bucket = int(bucket_bytes) if bucket_bytes else DEFAULT_BUCKET_BYTES
     report = SaveReport()
-    out = open_output(out_dir, group)
+    # The agreements' wire: the CPU on gloo, else the model's own device (never blindly
+    # current_device(), which is cuda:0 on every rank that never called set_device).
+    wire = (
+        torch.device("cpu")
+        if group is None or carries_cpu(group)
+        else resolve_device(model, device_mesh, group)
+    )
+    out = open_output(out_dir, group, wire)
     clock.mark("open")
     local: BaseException | None = None
     try:
@@ -174,11 +219,18 @@ def save_pretrained(
         except BaseException as exc:  # noqa: BLE001 - agreed below: the same error on every rank
             local = exc  # a KeyboardInterrupt too: skipping the agreement would hang the others
         out.agree(local)
+        check_same_output(layout, plan, group, out.device)
         out.create_files({f.name: f.size for f in layout.files})
         mode = writers if writers != "auto" else ("owners" if out.shared() else "src")
         report.writers = mode
         # src: only the writer opens the files (the others may not see the directory at all).
-        fds = {f.name: out.open(f.name) for f in layout.files} if mode == "owners" or rank == 0 else {}
+        fds: dict[str, int] = {}
+        try:
+            if mode == "owners" or rank == 0:
+                fds = {f.name: out.open(f.name) for f in layout.files}
+        except BaseException as exc:  # noqa: BLE001 - agreed: a rank that cannot open must not write alone
+            local = exc
+        out.agree(local)
         stats = _write(mode, plan, layout, fds, bucket, group, out.device)
         report.bytes_written += stats.bytes_written
         report.writes = stats.writes
