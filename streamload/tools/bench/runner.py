@@ -197,11 +197,17 @@ def _verify(model: Any, ckpt: str, dtype: torch.dtype, rank: int) -> list[str]:
 
     ref = quiet_from_pretrained(ckpt, dtype) if rank == 0 else None
     ref_state = dict(ref.named_parameters()) | dict(ref.named_buffers()) if ref is not None else {}
+    return mismatched(list(model.named_parameters()) + list(model.named_buffers()), ref_state, rank)
+
+
+def mismatched(tensors: list[tuple[str, torch.Tensor]], ref: dict[str, torch.Tensor], rank: int) -> list[str]:
+    """Collective over the tensors' meshes: the names whose full tensor differs from ``ref`` in
+    shape, dtype or any bit (decided on rank 0; other ranks only take part in the gathers)."""
     bad = []
-    for name, t in list(model.named_parameters()) + list(model.named_buffers()):
+    for name, t in tensors:
         full = t.full_tensor() if hasattr(t, "full_tensor") else t
         if rank == 0:
-            r = ref_state.get(name)
+            r = ref.get(name)
             if (
                 r is None
                 or r.shape != full.shape
@@ -209,6 +215,7 @@ def _verify(model: Any, ckpt: str, dtype: torch.dtype, rank: int) -> list[str]:
                 or not torch.equal(bit_view(r), bit_view(full))
             ):
                 bad.append(name)
+        del full
     return bad
 
 

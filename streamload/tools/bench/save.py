@@ -36,7 +36,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .runner import BenchGroup, MemorySampler, _StrategyFailed, _trim
+from .runner import BenchGroup, MemorySampler, _StrategyFailed, _trim, mismatched
 from .save_strategies import SAVE_STRATEGIES, SAVERS, saver_fn
 from .table import MiB, baseline_row, render_table, write_jsonl
 
@@ -149,7 +149,6 @@ def _verify(model: nn.Module, out: str, ckpt: str, dtype: torch.dtype, rank: int
     key names are the source checkpoint's (hub names)."""
     import torch.distributed as dist
 
-    from ...io.copy_ops import bit_view
     from .strategies import quiet_from_pretrained
 
     ref: dict[str, torch.Tensor] = {}
@@ -170,19 +169,7 @@ def _verify(model: nn.Module, out: str, ckpt: str, dtype: torch.dtype, rank: int
             "missing_keys": [],
             "key_counts": (0, 0),
         }
-    bad = []
-    for name, t in model.state_dict().items():
-        full = t.full_tensor() if hasattr(t, "full_tensor") else t
-        if rank == 0:
-            r = ref.get(name)
-            if (
-                r is None
-                or r.shape != full.shape
-                or r.dtype != full.dtype
-                or not torch.equal(bit_view(r), bit_view(full))
-            ):
-                bad.append(name)
-        del full
+    bad = mismatched(list(model.state_dict().items()), ref, rank)
     heads, source = (_headers(out), _headers(ckpt)) if rank == 0 else ({}, {})
     # from_pretrained casts to the dtype asked for: the stored dtypes and shapes are checked apart.
     bad += [
