@@ -34,10 +34,14 @@ class LoadReport:
         converted: targets built by fusing/converting checkpoint tensors.
         unrestored_buffers: non-persistent buffers that could not be recomputed.
         reader: reader mode and why it was chosen.
-        read_mode: how this rank read the files ("mmap", "pread" or "cold"; "" where it read none).
+        read_mode: how this rank read the files ("mmap", "pread", "cold", or "remote" for object
+            storage; "" where it read none).
         disk_bytes_read / disk_reads: bytes and read windows of this rank's cold reads
             (read_mode "cold"), short gaps included (O_DIRECT: alignment too); buffered ones may
             have found some pages cached. 0 where the files were read through a mapping.
+        remote_bytes / remote_requests / remote_retries: for a checkpoint in object storage, what
+            this rank fetched (headers and gaps between coalesced spans included), its requests and
+            how many of them were retries; 0 where it read none.
         phases: seconds spent in open, match, materialize, plan, stream, finalize; and inside the
             stream, per step on this rank ("stream.pack", "stream.cold_wait", "stream.cold_copy",
             "stream.cold_read" (read time summed over the read lanes), "stream.scatter_wait",
@@ -65,6 +69,9 @@ class LoadReport:
     read_mode: str = ""
     disk_bytes_read: int = 0
     disk_reads: int = 0
+    remote_bytes: int = 0
+    remote_requests: int = 0
+    remote_retries: int = 0
     phases: dict[str, float] = field(default_factory=dict)  # seconds per stage on this rank
 
     def to_dict(self) -> dict[str, Any]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -12,6 +13,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..errors import CheckpointError, hf_missing
+from ..io.remote import RemotePath, as_remote, read_small
 from ..load.driver import run_load
 from ..load.prepare import LoadOptions
 from ..load.source import compare_tied, open_source, resolve_device, resolve_group
@@ -123,9 +125,24 @@ def keep_quantized_skeleton(model: nn.Module, config: Any) -> None:
     replace_with_fp8_linear(model, modules_to_not_convert=skip, quantization_config=fp8, pre_quantized=True)
 
 
-def _read_configs(path: Path) -> dict[str, Any]:
+def _read_configs(path: Path | RemotePath) -> dict[str, Any]:
     from transformers import AutoConfig, GenerationConfig
 
+    if isinstance(path, RemotePath):
+        # The two small JSON files, fetched whole into a temporary directory transformers reads.
+        with tempfile.TemporaryDirectory(prefix="streamload_config_") as tmp:
+            for name in ("config.json", "generation_config.json"):
+                data = read_small(path, name)
+                if data is not None:
+                    (Path(tmp) / name).write_bytes(data)
+            if not (Path(tmp) / "config.json").exists():
+                raise CheckpointError(
+                    "no config.json: from_pretrained builds the model from it",
+                    path.url_of("config.json"),
+                    hint="upload config.json beside the *.safetensors, or build the model yourself and "
+                    "call streamload.load_checkpoint(model, URL)",
+                )
+            return _read_configs(Path(tmp))
     if path.is_dir() and not (path / "config.json").exists():
         raise CheckpointError(
             "no config.json: from_pretrained builds the model from it",
@@ -157,7 +174,8 @@ def from_pretrained(
     model on meta with real buffers, shards it, and receives only its shards.
 
     Args:
-        path: local checkpoint directory (config.json + safetensors).
+        path: checkpoint directory (config.json + safetensors), local or in object storage
+            (``s3://bucket/prefix``, ``gs://``, ``az://``; see ``storage_options`` of ``load_checkpoint``).
         model_cls: a transformers auto class or model class (default
             ``AutoModelForCausalLM``).
         device_mesh: default: a 1-D mesh over the default group on cuda (NCCL)
@@ -182,6 +200,7 @@ def from_pretrained(
     except ImportError as exc:
         raise hf_missing("streamload.from_pretrained", exc) from exc
 
+    path = as_remote(path, load_kwargs.get("storage_options"))
     group = resolve_group(None, device_mesh)
     rank = dist.get_rank() if group is not None else 0
     if device_mesh is None and group is not None:
@@ -203,7 +222,7 @@ def from_pretrained(
         empty,
         load_kwargs.get("read_mode", "auto"),  # kept: ranks that read their own shards open with it too
         load_kwargs.get("threads"),  # kept too: ranks that read their own shards use it
-        extra=lambda: _read_configs(Path(path)),
+        extra=lambda: _read_configs(path if isinstance(path, RemotePath) else Path(path)),
         drop_cache=bool(load_kwargs.get("drop_cache", False)),
         direct_io=load_kwargs.get("direct_io"),
     )

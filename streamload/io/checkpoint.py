@@ -7,7 +7,7 @@ import difflib
 import json
 import os
 import stat
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -213,8 +213,6 @@ class Checkpoint:
         self.read_mode = (
             chosen if chosen != "auto" else ("mmap" if all(f.mapped for f in self.files) else "pread")
         )
-        self.metadata: dict[str, dict[str, str]] = {}
-        self._table: dict[str, TensorInfo] = {}
         resolved: dict[str, Path] = {}  # index file name -> real path, resolved once
 
         def real(fname: str) -> Path:
@@ -222,12 +220,20 @@ class Checkpoint:
                 resolved[fname] = (self.path / fname).resolve()
             return resolved[fname]
 
+        here = {f.path: Path(f.path).resolve() for f in self.files}
+        self._fill_table(weight_map, lambda fname, f: real(fname) == here[f.path])
+
+    def _fill_table(self, weight_map: dict[str, str] | None, holds: Callable[[str, Any], bool]) -> None:
+        """The tensor table from the opened files' headers: a tensor the index maps to another
+        file is skipped there (``holds(index file name, file)`` is False), one in two files is an
+        error, and so is an index entry no file holds."""
+        self.metadata: dict[str, dict[str, str]] = {}
+        self._table: dict[str, TensorInfo] = {}
         for i, f in enumerate(self.files):
             self.metadata[f.path] = dict(f.metadata)
-            here = Path(f.path).resolve()
             for name, dtype, shape, begin, end in f.tensors:
                 if weight_map is not None and weight_map.get(name) is not None:
-                    if real(weight_map[name]) != here:
+                    if not holds(weight_map[name], f):
                         continue  # the index names another file for it
                 if name in self._table:
                     raise CheckpointError(
@@ -240,8 +246,12 @@ class Checkpoint:
             for name, fname in weight_map.items():
                 if name not in self._table:
                     raise CheckpointIndexError(
-                        f"the index maps it to {fname}, which does not hold it", str(self.path / fname), name
+                        f"the index maps it to {fname}, which does not hold it", self._member(fname), name
                     )
+
+    def _member(self, fname: str) -> str:
+        """The path of the index's file name ``fname``, for messages."""
+        return str(self.path / fname)
 
     @staticmethod
     def lazy(

@@ -12,6 +12,7 @@ from ..errors import DTypeMismatchError, TensorNotFoundError
 from . import _native
 from .checkpoint import Checkpoint, LazyCheckpoint, TensorInfo
 from .copy_ops import ST_DTYPES
+from .remote import RemoteCheckpoint, as_remote, is_remote
 
 STATE_DICT = "<state_dict>"
 
@@ -104,7 +105,8 @@ def as_source(
     drop_cache: bool = False,
     direct_io: bool | None = None,
 ) -> Source:
-    """A path, Checkpoint, lazy checkpoint or dict of tensors as a packing source (``read_mode``,
+    """A path (an object store URL or ``RemotePath`` included), Checkpoint, lazy checkpoint or
+    dict of tensors as a packing source (``read_mode``,
     ``drop_cache`` and ``direct_io``: see ``Checkpoint``)."""
     if isinstance(obj, (Checkpoint, StateDictSource)):
         return obj
@@ -112,6 +114,8 @@ def as_source(
         return StateDictSource(obj, threads)
     if isinstance(obj, LazyCheckpoint):
         return obj.open(read_mode, threads, drop_cache, direct_io)
+    if is_remote(obj):
+        return RemoteCheckpoint(as_remote(obj), threads)
     return Checkpoint(
         obj,  # type: ignore[arg-type]
         mode=read_mode,

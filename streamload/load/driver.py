@@ -43,6 +43,7 @@ def load_checkpoint(
     direct_io: bool | None = None,
     prefault: bool | None = None,
     node: str | None = None,
+    storage_options: dict[str, Any] | None = None,
 ) -> LoadReport:
     """Streams a safetensors checkpoint into an FSDP2 (or plain) model.
 
@@ -123,6 +124,11 @@ def load_checkpoint(
             (the default): STREAMLOAD_NODE if set, else torchrun's GROUP_RANK, else the host name;
             pass it where ranks on one host should count as separate nodes or the host name
             does not tell nodes apart.
+        storage_options: for an object store ``path`` (``s3://``, ``gs://``, ``az://``): obstore's
+            store config and client options (``endpoint``, ``region``, ``access_key_id``,
+            ``allow_http``, ``timeout``, ...) plus ``retries`` (per request, default 8) and
+            ``concurrency`` (requests in flight per reader, default 16); the standard environment
+            (``AWS_ENDPOINT_URL``, ``AWS_*`` credentials) applies where a key is not given.
 
     Returns:
         A LoadReport.

@@ -19,7 +19,7 @@ def _drop_cache(prep: Prepared) -> str:
     """Evicts the files this rank read when asked to (cold reads dropped them
     behind already); returns how it read them ("" where it read none)."""
     mode = str(getattr(prep.source, "read_mode", ""))
-    if prep.options.drop_cache and mode and mode != "cold":
+    if prep.options.drop_cache and mode and mode not in ("cold", "remote"):
         try:
             evict([f.path for f in getattr(prep.source, "files", [])])
         except Exception as exc:  # noqa: BLE001 - advisory, see below
@@ -69,7 +69,11 @@ def finalize(prep: Prepared, result: StreamResult) -> LoadReport:
             result.bytes_read / 1e9,
             mapped.nbytes / 1e9,
         )
+    fetched = getattr(prep.source, "fetched", None)  # a checkpoint in object storage
     return LoadReport(
+        remote_bytes=fetched.bytes if fetched else 0,
+        remote_requests=fetched.requests if fetched else 0,
+        remote_retries=fetched.retries if fetched else 0,
         bytes_read=result.bytes_read,
         bytes_mapped=mapped.nbytes,
         bytes_sent=sum(n for r, n in enumerate(received) if r not in readers_at),

@@ -17,6 +17,7 @@ from torch import nn
 from ..errors import KeyMismatchError, PlacementError, key_mismatch_hint, key_mismatch_reason
 from ..io.checkpoint import Checkpoint
 from ..io.copy_ops import worker_threads
+from ..io.remote import RemotePath, as_remote
 from ..io.sources import Source, as_source
 from ..model.fsdp_ties import TieLayout, agree_ties, tie_layout
 from ..model.layouts import check_placements
@@ -119,6 +120,7 @@ class LoadOptions:
     direct_io: bool | None = None
     prefault: bool | None = None
     node: str | None = None
+    storage_options: dict[str, Any] | None = None
 
 
 class PhaseClock:
@@ -227,6 +229,7 @@ def prepare(
         reader strategy, opened (the caller runs it and closes it).
     """
     clock = PhaseClock()
+    path = as_remote(path, options.storage_options)
     if options.slots < 1:
         raise ValueError("slots must be >= 1")
     if options.unexpected not in UNEXPECTED_CHOICES:
@@ -261,7 +264,9 @@ def prepare(
     meta = opened.meta
     src_group_rank = dist.get_group_rank(group, src_rank) if group is not None else 0
     group_rank = dist.get_group_rank(group, rank) if group is not None else 0
-    in_memory = rank == src_rank and opened.source is not None and not isinstance(path, (str, os.PathLike))
+    in_memory = (
+        rank == src_rank and opened.source is not None and not isinstance(path, (str, os.PathLike, RemotePath))
+    )
     # The reader's identity comes from the files it opened above, whatever their paths name by now.
     source = opened.source
     choice = choose(

@@ -43,6 +43,7 @@ import torch.distributed as dist
 
 from ..errors import CheckpointFileError, StreamloadError
 from ..io.checkpoint import resolve_files
+from ..io.remote import RemotePath, opened_remote_identity, remote_identity
 from ..options import env_text
 from .protocol import gather_or_raise
 
@@ -108,6 +109,8 @@ def fingerprint(path: Any) -> tuple | None:
     are the same; mtimes are left out on purpose (copies of the same files
     on other nodes carry other mtimes). A few KiB read per file. Equal
     fingerprints do not prove equal bytes: see ``file_identity``."""
+    if isinstance(path, RemotePath):
+        return remote_identity(path)  # the ETag names the object's bytes
     return _per_file(path, _sampled_digest)
 
 
@@ -126,6 +129,8 @@ def file_identity(path: Any) -> tuple | None:
     device, on another node), even when its mtime was preserved. Taken by path,
     it says what an ``open`` would find now; ``opened_identity`` says what a
     rank that opened the files reads."""
+    if isinstance(path, RemotePath):
+        return remote_identity(path)  # (bucket/key, size, ETag): the same object
     if path is None or not isinstance(path, (str, os.PathLike)):
         return None
     try:
@@ -142,6 +147,9 @@ def opened_identity(source: Any) -> tuple | None:
     files = getattr(source, "files", None)
     if not files:
         return None
+    remote = opened_remote_identity(files)
+    if remote is not None:
+        return remote
     out = []
     for f in files:
         fd = int(getattr(f, "fileno", -1))
@@ -250,7 +258,10 @@ def choose(
     mine: tuple = (None, None, has_source, None)
     try:
         opened = opened_identity(source) if source is not None else None
-        mine = (node_key(node), fingerprint(path), has_source, opened or file_identity(path))
+        seen_files = fingerprint(path)
+        # An object's fingerprint is its identity (size and ETag): listed once, not twice.
+        ident = opened or (seen_files if isinstance(path, RemotePath) else file_identity(path))
+        mine = (node_key(node), seen_files, has_source, ident)
     except BaseException as exc:  # noqa: BLE001 - raised on every rank by the all-gather below
         local = exc
     # An agreement: a failure describing this rank's files raises on every rank, instead of

@@ -1,0 +1,668 @@
+"""A safetensors checkpoint in object storage (``s3://``, ``gs://``, ``az://``), read by ranged GETs.
+
+Nothing is downloaded whole and nothing is written to local disk: the table comes from
+each file's 8-byte length and header (ranged GETs, validated by the same native parser
+as local headers), and the stream fetches exactly the byte spans each bucket packs,
+straight into the staging ring (``RemoteEngine``, a ``ColdEngine`` whose lane readers
+are HTTP range requests). The object store client is ``obstore`` (Rust's
+``object_store``): its throughput on the same endpoint beat s3fs's (README,
+``streamload bench --remote``).
+
+Every request names the ETag the table was read from (``If-Match``): an object replaced
+during the load fails the request (``RemoteObjectChangedError``) instead of mixing two
+versions. Throttling, 5xx answers, timeouts, resets and short bodies are retried with
+exponential backoff and jitter (``retries`` per request); what still fails is a named
+error that the loader's agreements raise on every rank.
+
+Credentials, region and endpoint come from the standard environment (``AWS_*``,
+``GOOGLE_*``, ``AZURE_*``: obstore reads it) plus ``storage_options``, whose keys are
+obstore's store config (``endpoint``, ``region``, ``access_key_id``, ...) and client
+options (``allow_http``, ``timeout``, ...), and two of streamload's own: ``retries``
+(per request, default 8) and ``concurrency`` (requests in flight per reader, default 16).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ctypes
+import json
+import os
+import random
+import re
+import threading
+import time
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import PurePosixPath
+from typing import Any, TypeVar
+
+import numpy as np
+
+from ..errors import CheckpointError, CheckpointFileError, CheckpointIndexError, UnsafePathError
+from . import _native
+from .checkpoint import Checkpoint
+from .cold import ColdEngine
+
+T = TypeVar("T")
+
+SCHEMES = ("s3", "s3a", "gs", "az", "azure", "abfs", "abfss")
+INDEX_NAME = "model.safetensors.index.json"
+HEAD_BYTES = 1 << 16  # first GET of a file: its length prefix and, mostly, the whole header
+PIECE_BYTES = 8 << 20  # bytes per request at most
+GAP_BYTES = 64 << 10  # spans closer than this are fetched in one request (the gap is fetched too)
+DEFAULT_RETRIES = 8
+DEFAULT_CONCURRENCY = 16
+BACKOFF_S = (0.05, 4.0)  # first and largest backoff
+# obstore's ClientConfig keys (the rest of storage_options is the store's config).
+CLIENT_KEYS = frozenset(
+    {
+        "allow_http",
+        "allow_invalid_certificates",
+        "connect_timeout",
+        "default_content_type",
+        "default_headers",
+        "http1_only",
+        "http2_keep_alive_interval",
+        "http2_keep_alive_timeout",
+        "http2_keep_alive_while_idle",
+        "http2_only",
+        "pool_idle_timeout",
+        "pool_max_idle_per_host",
+        "proxy_url",
+        "timeout",
+        "user_agent",
+    }
+)
+OWN_KEYS = frozenset({"retries", "concurrency"})
+
+
+class RemoteError(CheckpointFileError):
+    """An object store request failed for good (after its retries), or was refused."""
+
+
+class RemoteObjectChangedError(RemoteError):
+    """An object changed (ETag or size) after the table was read from it."""
+
+
+def is_remote(path: object) -> bool:
+    """True for a ``scheme://...`` string of an object store streamload reads (``SCHEMES``)."""
+    if isinstance(path, RemotePath):
+        return True
+    if not isinstance(path, str):
+        return False
+    scheme, sep, _ = path.partition("://")
+    return bool(sep) and scheme.lower() in SCHEMES
+
+
+@dataclass(frozen=True)
+class RemotePath:
+    """An object store location and how to reach it (what the loader passes around for a URL).
+
+    Attributes:
+        url: ``scheme://bucket/prefix`` (a directory of safetensors files, with or without
+            its index) or ``scheme://bucket/key.safetensors`` (one file).
+        options: ``storage_options`` as sorted (key, value) pairs.
+    """
+
+    url: str
+    options: tuple[tuple[str, Any], ...] = ()
+
+    def __str__(self) -> str:
+        return self.url
+
+    @property
+    def scheme(self) -> str:
+        return self.url.partition("://")[0].lower()
+
+    @property
+    def bucket(self) -> str:
+        return self.url.partition("://")[2].split("/", 1)[0]
+
+    @property
+    def prefix(self) -> str:
+        """The key under the bucket, without a trailing slash."""
+        rest = self.url.partition("://")[2]
+        return rest.split("/", 1)[1].strip("/") if "/" in rest else ""
+
+    @property
+    def is_file(self) -> bool:
+        return self.prefix.endswith(".safetensors")
+
+    def key(self, name: str) -> str:
+        """The object key of ``name`` inside this location."""
+        return f"{self.prefix}/{name}" if self.prefix else name
+
+    def url_of(self, name: str) -> str:
+        return f"{self.scheme}://{self.bucket}/{self.key(name)}"
+
+    def file_key(self, name: str) -> str:
+        """The key of file ``name`` as ``_resolve`` lists it (a one-file location is its own key)."""
+        return self.prefix if self.is_file else self.key(name)
+
+    def setting(self, name: str, default: int) -> int:
+        value = dict(self.options).get(name, default)
+        try:
+            return int(value)
+        except (TypeError, ValueError):
+            raise ValueError(f"storage_options[{name!r}] must be an integer, not {value!r}") from None
+
+
+def as_remote(path: Any, storage_options: Mapping[str, Any] | None = None) -> Any:
+    """``path`` as a ``RemotePath`` when it is an object store URL (with ``storage_options``);
+    anything else as it is (``storage_options`` must then be None: it names no store)."""
+    if isinstance(path, RemotePath):
+        return path
+    if is_remote(path):
+        return RemotePath(str(path), tuple(sorted((storage_options or {}).items())))
+    return path
+
+
+def make_store(remote: RemotePath) -> Any:
+    """An obstore store for ``remote``'s bucket, obstore's own retries off (ours count them)."""
+    try:
+        from obstore.store import from_url
+    except ImportError as exc:
+        raise ImportError(f"reading {remote.url} needs obstore: pip install 'streamload[remote]'") from exc
+    opts = dict(remote.options)
+    client = {k: v for k, v in opts.items() if k in CLIENT_KEYS}
+    client.setdefault("timeout", "60s")
+    client.setdefault("connect_timeout", "10s")
+    config = {k: v for k, v in opts.items() if k not in CLIENT_KEYS and k not in OWN_KEYS}
+    endpoint = os.environ.get("AWS_ENDPOINT_URL")
+    if remote.scheme in ("s3", "s3a") and endpoint and "endpoint" not in config:
+        config["endpoint"] = endpoint  # the standard variable (obstore reads AWS_ENDPOINT only)
+        if endpoint.startswith("http://"):
+            client.setdefault("allow_http", True)
+    try:
+        return from_url(
+            f"{remote.scheme}://{remote.bucket}",
+            config=config or None,
+            client_options=client,
+            retry_config={"max_retries": 0},
+        )
+    except Exception as exc:  # noqa: BLE001 - obstore raises its own for bad config
+        raise RemoteError(f"cannot set up the object store client: {exc}", remote.url) from exc
+
+
+# -- requests ---------------------------------------------------------------------------------
+_STATUS = re.compile(r"status code: (\d{3})")
+
+
+def _retryable(exc: BaseException) -> bool:
+    """Throttling, 5xx, timeouts, resets and short bodies; not 4xx refusals or missing objects."""
+    from obstore import exceptions as oe
+
+    if isinstance(exc, (FileNotFoundError, oe.NotFoundError, oe.PreconditionError)):
+        return False
+    if isinstance(exc, (oe.PermissionDeniedError, oe.UnauthenticatedError, oe.InvalidPathError)):
+        return False
+    m = _STATUS.search(str(exc))
+    if m:
+        code = int(m.group(1))
+        return code >= 500 or code in (408, 429)
+    return True  # connection reset, timeout, body cut short: the transport's, worth another try
+
+
+def _named(exc: BaseException, url: str, what: str, attempts: int) -> RemoteError:
+    from obstore import exceptions as oe
+
+    first = str(exc).splitlines()[0][:300] if str(exc) else type(exc).__name__
+    if isinstance(exc, oe.PreconditionError):
+        return RemoteObjectChangedError(
+            f"the object changed during the load ({what}: its ETag is no longer the one the table was "
+            "read from); nothing of the new version was used",
+            url,
+            hint="load again once the upload is complete",
+        )
+    if isinstance(exc, (FileNotFoundError, oe.NotFoundError)):
+        return RemoteError(f"no such object ({what})", url)
+    if isinstance(exc, (oe.PermissionDeniedError, oe.UnauthenticatedError)) or re.search(
+        r"\b40[13]\b", first
+    ):
+        return RemoteError(
+            f"access denied ({what}): {first}",
+            url,
+            hint="check the credentials (AWS_* environment, profile) or storage_options",
+        )
+    return RemoteError(f"{what} failed after {attempts} attempt(s): {type(exc).__name__}: {first}", url)
+
+
+@dataclass
+class FetchStats:
+    """What a reader fetched: bytes (gaps included), requests and retries."""
+
+    bytes: int = 0
+    requests: int = 0
+    retries: int = 0
+    seconds: float = 0.0
+    lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def add(self, nbytes: int, requests: int, retries: int) -> None:
+        with self.lock:
+            self.bytes += nbytes
+            self.requests += requests
+            self.retries += retries
+
+
+class Fetcher:
+    """Ranged GETs against one store, on one event loop thread, ``concurrency`` in flight.
+
+    Thread-safe: lane threads call ``run`` at once; their requests share the loop and its limit.
+    """
+
+    def __init__(self, remote: RemotePath) -> None:
+        self.remote = remote
+        self.store = make_store(remote)
+        self.retries = remote.setting("retries", DEFAULT_RETRIES)
+        self.concurrency = max(1, remote.setting("concurrency", DEFAULT_CONCURRENCY))
+        self.stats = FetchStats()
+        self._lock = threading.Lock()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._limit: asyncio.Semaphore | None = None
+        self._pid = os.getpid()
+
+    def _running_loop(self) -> asyncio.AbstractEventLoop:
+        with self._lock:
+            if self._loop is None or self._pid != os.getpid():
+                # A fork child has no loop thread: it starts its own (and a new client).
+                if self._pid != os.getpid():
+                    self.store = make_store(self.remote)
+                    self._pid = os.getpid()
+                loop = asyncio.new_event_loop()
+                threading.Thread(target=loop.run_forever, name="streamload-remote", daemon=True).start()
+                self._loop = loop
+                self._limit = None
+            return self._loop
+
+    def close(self) -> None:
+        """Stops the loop thread (a later ``run`` starts another)."""
+        with self._lock:
+            if self._loop is not None and self._pid == os.getpid():
+                self._loop.call_soon_threadsafe(self._loop.stop)
+            self._loop = None
+
+    def run(self, coro: Awaitable[T]) -> T:
+        """Runs ``coro`` on the loop thread and waits for it."""
+        return asyncio.run_coroutine_threadsafe(coro, self._running_loop()).result()  # type: ignore[arg-type]
+
+    def _semaphore(self) -> asyncio.Semaphore:
+        if self._limit is None:  # made on the loop thread (bound to its loop)
+            self._limit = asyncio.Semaphore(self.concurrency)
+        return self._limit
+
+    async def _retrying(self, url: str, what: str, call: Callable[[], Awaitable[T]]) -> tuple[T, int]:
+        """``call()`` with retries and backoff; (its result, retries made) or a named RemoteError."""
+        attempt = 0
+        while True:
+            try:
+                async with self._semaphore():
+                    return await call(), attempt
+            except Exception as exc:  # noqa: BLE001 - classified below
+                if isinstance(exc, RemoteError):
+                    raise
+                if not _retryable(exc) or attempt >= self.retries:
+                    raise _named(exc, url, what, attempt + 1) from exc
+                attempt += 1
+                delay = min(BACKOFF_S[1], BACKOFF_S[0] * 2**attempt)
+                await asyncio.sleep(delay * (0.5 + random.random() / 2))
+
+    async def head(self, key: str) -> tuple[int, str]:
+        """(size, ETag) of ``key``."""
+        import obstore
+
+        url = f"{self.remote.scheme}://{self.remote.bucket}/{key}"
+
+        async def call() -> Any:
+            return await obstore.head_async(self.store, key)
+
+        meta, retries = await self._retrying(url, "HEAD", call)
+        self.stats.add(0, 1 + retries, retries)
+        return int(meta["size"]), str(meta.get("e_tag") or "")
+
+    async def get(self, key: str, start: int, end: int, etag: str | None) -> Any:
+        """Bytes [start, end) of ``key`` (a buffer), If-Match ``etag`` when given."""
+        import obstore
+
+        url = f"{self.remote.scheme}://{self.remote.bucket}/{key}"
+        options: dict[str, Any] = {"range": (start, end)}
+        if etag:
+            options["if_match"] = etag
+
+        async def call() -> Any:
+            resp = await obstore.get_async(self.store, key, options=options)
+            buf = await resp.bytes_async()
+            if len(buf) != end - start:
+                raise ConnectionError(f"short body: {len(buf)} of {end - start} bytes")
+            return buf
+
+        buf, retries = await self._retrying(url, f"GET bytes {start}-{end - 1}", call)
+        self.stats.add(end - start, 1 + retries, retries)
+        return buf
+
+    async def get_whole(self, key: str) -> bytes:
+        """A small object whole (config.json, the index)."""
+        import obstore
+
+        url = f"{self.remote.scheme}://{self.remote.bucket}/{key}"
+
+        async def call() -> Any:
+            resp = await obstore.get_async(self.store, key)
+            return await resp.bytes_async()
+
+        buf, retries = await self._retrying(url, "GET", call)
+        self.stats.add(len(buf), 1 + retries, retries)
+        return bytes(buf)
+
+    async def gather(self, coros: Iterable[Awaitable[T]]) -> list[T]:
+        """Every coroutine; the first failure cancels the rest (none keeps writing after it)."""
+        tasks = [asyncio.ensure_future(c) for c in coros]
+        try:
+            return list(await asyncio.gather(*tasks))
+        except BaseException:
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            raise
+
+    async def exists(self, key: str) -> bool:
+        try:
+            await self.head(key)
+            return True
+        except RemoteError as exc:
+            if "no such object" in str(exc):
+                return False
+            raise
+
+    async def list_safetensors(self) -> list[str]:
+        """Names of the ``*.safetensors`` objects directly under the prefix."""
+        import obstore
+
+        prefix = self.remote.prefix
+        url = self.remote.url
+
+        async def call() -> Any:
+            return await obstore.list_with_delimiter_async(self.store, prefix or None)
+
+        listing, retries = await self._retrying(url, "LIST", call)
+        self.stats.add(0, 1 + retries, retries)
+        names = [str(o["path"]).rsplit("/", 1)[-1] for o in listing["objects"]]
+        return sorted(n for n in names if n.endswith(".safetensors"))
+
+
+def _copy_out(buf: Any, targets: Sequence[tuple[int, int, int]], base: int) -> None:
+    """Copies each (file offset, bytes, destination address) of ``targets`` out of ``buf``,
+    which holds the file's bytes from offset ``base``."""
+    view = np.frombuffer(buf, dtype=np.uint8)
+    src = view.ctypes.data
+    for offset, nbytes, dst in targets:
+        ctypes.memmove(dst, src + (offset - base), nbytes)
+
+
+def plan_requests(spans: np.ndarray) -> list[tuple[int, int, list[tuple[int, int, int]]]]:
+    """The requests that fetch ``spans`` (rows: file offset, bytes, destination address, room):
+    spans closer than ``GAP_BYTES`` share one request, no request is over ``PIECE_BYTES``
+    (a longer span is split). Each request: (start, end, its targets (offset, bytes, dest))."""
+    out: list[tuple[int, int, list[tuple[int, int, int]]]] = []
+    rows = spans[np.argsort(spans[:, 0], kind="stable")] if len(spans) else spans
+    for offset, nbytes, dst, _ in rows.tolist():
+        pos = 0
+        while pos < nbytes:
+            a = offset + pos
+            n = min(nbytes - pos, PIECE_BYTES)
+            if (
+                out
+                and a - out[-1][1] <= GAP_BYTES
+                and a >= out[-1][0]
+                and (a + n) - out[-1][0] <= PIECE_BYTES
+            ):
+                start, end, targets = out[-1]
+                out[-1] = (start, max(end, a + n), targets)
+                targets.append((a, n, dst + pos))
+            else:
+                out.append((a, a + n, [(a, n, dst + pos)]))
+            pos += n
+    return out
+
+
+class RemoteReader:
+    """A lane reader of ``ColdEngine`` over HTTP: ``read`` fetches ranges into their places."""
+
+    def __init__(self, fetcher: Fetcher, keys: Mapping[str, tuple[str, str]]) -> None:
+        self.fetcher = fetcher
+        self.keys = keys  # file url -> (key, etag)
+
+    def read(self, path: str, ranges_ptr: int, ranges_nbytes: int, fd: int = -1) -> dict[str, Any]:
+        """As ``ColdReader.read``: rows (file offset, bytes, destination, room) of int64."""
+        n = ranges_nbytes // 32
+        rows = np.ctypeslib.as_array((ctypes.c_int64 * (4 * n)).from_address(ranges_ptr)).reshape(n, 4)
+        key, etag = self.keys[path]
+        requests = plan_requests(rows)
+        before = (self.fetcher.stats.bytes, self.fetcher.stats.requests, self.fetcher.stats.retries)
+        t0 = time.perf_counter()
+
+        async def one(start: int, end: int, targets: list[tuple[int, int, int]]) -> None:
+            buf = await self.fetcher.get(key, start, end, etag)
+            _copy_out(buf, targets, start)
+
+        self.fetcher.run(self.fetcher.gather(one(*r) for r in requests))
+        s = self.fetcher.stats
+        return {
+            "seconds": time.perf_counter() - t0,
+            "bytes_read": 0,
+            "windows": 0,
+            "direct_windows": 0,
+            "direct_refused": False,
+            "remote_bytes": s.bytes - before[0],
+            "remote_requests": s.requests - before[1],
+            "remote_retries": s.retries - before[2],
+        }
+
+
+@dataclass
+class RemoteFile:
+    """One safetensors object as the checkpoint's table needs it (``SafetensorsFile``'s fields)."""
+
+    path: str  # its URL
+    key: str
+    etag: str
+    file_size: int
+    data_start: int
+    tensors: list[tuple[str, str, list[int], int, int]]
+    metadata: dict[str, str]
+    fetcher: Fetcher = field(repr=False)
+    mapped: bool = False
+    fileno: int = -1
+
+    def read_into(self, offset: int, nbytes: int, dst: int, dst_len: int) -> None:
+        """Bytes [offset, offset + nbytes) of the data section to address ``dst``."""
+        if nbytes > dst_len:
+            raise ValueError("read_into: destination is smaller than the read")
+        spans = np.array([[self.data_start + offset, nbytes, dst, nbytes]], dtype=np.int64)
+        RemoteReader(self.fetcher, {self.path: (self.key, self.etag)}).read(
+            self.path, spans.ctypes.data, spans.nbytes
+        )
+
+    def check_unchanged(self) -> None:
+        size, etag = self.fetcher.run(self.fetcher.head(self.key))
+        if (size, etag) != (self.file_size, self.etag):
+            raise RemoteObjectChangedError(
+                f"the object changed during the load (size {self.file_size} -> {size}, "
+                f"ETag {self.etag} -> {etag})",
+                self.path,
+            )
+
+
+def _safe_name(name: Any, where: str, index_url: str) -> str:
+    """An index's file name, refused when it leaves the prefix (absolute, ``..``, empty)."""
+    if not isinstance(name, str):
+        raise CheckpointIndexError(f"file name is not a string: {name!r}", index_url)
+    if not name or name.startswith(("/", "\\")) or ".." in PurePosixPath(name).parts or "://" in name:
+        raise UnsafePathError(f"path {name!r} in {where} leaves the checkpoint's prefix", index_url)
+    return name
+
+
+async def _open_file(fetcher: Fetcher, remote: RemotePath, name: str) -> RemoteFile:
+    """HEAD, then the length prefix and header by ranged GETs, validated natively."""
+    key = remote.file_key(name)
+    url = f"{remote.scheme}://{remote.bucket}/{key}"
+    size, etag = await fetcher.head(key)
+    if size < 8:
+        raise CheckpointFileError(f"object of {size} bytes is too short for a safetensors header", url)
+    head = bytes(await fetcher.get(key, 0, min(size, HEAD_BYTES), etag))
+    need = 8 + int.from_bytes(head[:8], "little")
+    if need > len(head) and need <= size:
+        head += bytes(await fetcher.get(key, len(head), need, etag))
+    try:
+        tensors, metadata, data_start = _native.parse_header(head, size, url)
+    except ValueError as exc:
+        raise CheckpointFileError(str(exc), url) from exc
+    return RemoteFile(url, key, etag, size, int(data_start), list(tensors), dict(metadata), fetcher)
+
+
+async def _resolve(fetcher: Fetcher, remote: RemotePath) -> tuple[list[str], dict[str, str] | None]:
+    """The files to open (names under the prefix) and the index's weight map, if any."""
+    if remote.is_file:
+        return [remote.prefix.rsplit("/", 1)[-1]], None
+    index_url = remote.url_of(INDEX_NAME)
+    if await fetcher.exists(remote.key(INDEX_NAME)):
+        raw = await fetcher.get_whole(remote.key(INDEX_NAME))
+        try:
+            weight_map = json.loads(raw)["weight_map"]
+            if not isinstance(weight_map, dict):
+                raise TypeError("weight_map is not an object")
+        except (ValueError, KeyError, TypeError) as exc:
+            raise CheckpointIndexError(f"malformed index: {exc}", index_url) from exc
+        names = sorted(
+            {_safe_name(f, f"the index entry for '{t}'", index_url) for t, f in weight_map.items()}
+        )
+        return names, {k: str(v) for k, v in weight_map.items()}
+    names = await fetcher.list_safetensors()
+    if not names:
+        raise CheckpointError(
+            "no .safetensors objects under this prefix",
+            remote.url,
+            hint="pass the prefix that holds model.safetensors (or its shards and index)",
+        )
+    return names, None
+
+
+def open_remote(
+    remote: RemotePath, fetcher: Fetcher | None = None
+) -> tuple[list[RemoteFile], dict[str, str] | None]:
+    """Opens every file of ``remote`` (headers fetched concurrently): (files, weight map)."""
+    fetcher = fetcher or Fetcher(remote)
+
+    async def go() -> tuple[list[RemoteFile], dict[str, str] | None]:
+        names, weight_map = await _resolve(fetcher, remote)
+        files = await fetcher.gather(_open_file(fetcher, remote, n) for n in names)
+        return files, weight_map
+
+    return fetcher.run(go())
+
+
+def remote_identity(path: Any) -> tuple | None:
+    """(file name, size, ETag) per object of ``path`` (a RemotePath), or None when this rank
+    cannot list it: what ``readers="auto"`` compares across ranks (same bucket, key, size, ETag)."""
+    if not isinstance(path, RemotePath):
+        return None
+    try:
+        fetcher = Fetcher(path)
+
+        async def go() -> tuple:
+            names, _ = await _resolve(fetcher, path)
+            heads = await fetcher.gather(fetcher.head(path.file_key(n)) for n in names)
+            return tuple(
+                (f"{path.bucket}/{path.file_key(n)}", s, e) for n, (s, e) in zip(names, heads, strict=True)
+            )
+
+        try:
+            return fetcher.run(go()) or None
+        finally:
+            fetcher.close()
+    except (CheckpointError, ImportError, ValueError):
+        return None
+
+
+def opened_remote_identity(files: Sequence[Any]) -> tuple | None:
+    """``remote_identity`` of the objects a RemoteCheckpoint opened (None for other files)."""
+    if not files or not all(isinstance(f, RemoteFile) for f in files):
+        return None
+    return tuple((f"{f.path.partition('://')[2]}", f.file_size, f.etag) for f in files)
+
+
+def read_small(remote: RemotePath, name: str) -> bytes | None:
+    """A small object beside the weights (``config.json``) whole, or None when it is missing."""
+    fetcher = Fetcher(remote)
+
+    async def go() -> bytes | None:
+        key = remote.key(name)
+        if not await fetcher.exists(key):
+            return None
+        return await fetcher.get_whole(key)
+
+    try:
+        return fetcher.run(go())
+    finally:
+        fetcher.close()
+
+
+class RemoteEngine(ColdEngine):
+    """``ColdEngine`` whose lanes fetch by ranged GETs: a bucket's spans are cut into chunks
+    (``chunk_bytes`` each, ``buffers`` in memory), each chunk's spans coalesced into requests
+    (``plan_requests``) with up to ``concurrency`` in flight; plain copies land straight in
+    their destinations (the staging ring or the shard), the rest in a read buffer. The next
+    bucket's chunks are fetched while this one is scattered (``expect``)."""
+
+    def __init__(self, engine: Any, files: Sequence[RemoteFile], fetcher: Fetcher) -> None:
+        self.fetcher = fetcher
+        self.keys = {f.path: (f.key, f.etag) for f in files}
+        super().__init__(engine, files, chunk_bytes=32 << 20, buffers=4, lanes=2, direct_io=False)
+
+    def _set_lanes(self, buffered: bool) -> None:
+        while not self._lanes.empty():
+            self._lanes.get()
+        self.buffered = True  # no alignment: a request asks for exactly its bytes
+        for _ in range(self._lane_count):
+            self._lanes.put(RemoteReader(self.fetcher, self.keys))
+
+    def _policy(self, buffered: bool) -> bool:
+        return True
+
+    def _run(self, files: Sequence[Any], rows: np.ndarray) -> int:
+        # Rewritten rows copy from memory; a row still naming a file is out of bounds, which the
+        # native engine reports (it gets no files to read).
+        return super()._run([], rows)
+
+    def prefetch(self, ranges: Sequence[tuple[int, int, int]]) -> None:
+        raise CheckpointError("objects in a store are never mapped: there is nothing to prefetch")
+
+
+class RemoteCheckpoint(Checkpoint):
+    """A ``Checkpoint`` in object storage: the same table, reads and errors, by ranged GETs.
+
+    Args:
+        remote: where it is (``as_remote(url, storage_options)``).
+        threads: copy threads (default: the CPUs available).
+
+    Example:
+        >>> ckpt = RemoteCheckpoint(as_remote("s3://bucket/llama/"))
+        >>> w = ckpt.read("model.embed_tokens.weight")
+    """
+
+    def __init__(self, remote: RemotePath, threads: int | None = None) -> None:
+        self.path = remote.url  # type: ignore[assignment]
+        self.remote = remote
+        self.mode = self.read_mode = "remote"
+        self.fetcher = Fetcher(remote)
+        files, weight_map = open_remote(remote, self.fetcher)
+        self.files = files  # type: ignore[assignment]
+        self.engine = RemoteEngine(_native.CopyEngine(threads or 0), files, self.fetcher)
+        self._fill_table(weight_map, lambda fname, f: remote.url_of(fname) == f.path)
+
+    def _member(self, fname: str) -> str:
+        return self.remote.url_of(fname)
+
+    @property
+    def fetched(self) -> FetchStats:
+        """Bytes, requests and retries this checkpoint fetched (headers included)."""
+        return self.fetcher.stats
