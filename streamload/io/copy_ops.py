@@ -198,9 +198,13 @@ class OpBatch:
             self._rows.clear()
         if self._dequant:
             arr = np.ascontiguousarray(np.array(self._dequant, dtype=np.int64))
-            # Dequantizing ops read through the files themselves (mapped or pread): a cold
-            # engine wraps the native one, which they need.
-            native = getattr(engine, "engine", engine)
-            nbytes += _native.dequantize(native, list(files), arr.ctypes.data, arr.nbytes)
+            local = getattr(engine, "dequantize", None)  # an engine whose files are not on disk
+            if local is not None:
+                nbytes += local(arr)
+            else:
+                # Dequantizing ops read through the files themselves (mapped or pread): a cold
+                # engine wraps the native one, which they need.
+                native = getattr(engine, "engine", engine)
+                nbytes += _native.dequantize(native, list(files), arr.ctypes.data, arr.nbytes)
             self._dequant.clear()
         return int(nbytes)

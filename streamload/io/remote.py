@@ -47,9 +47,13 @@ T = TypeVar("T")
 
 SCHEMES = ("s3", "s3a", "gs", "az", "azure", "abfs", "abfss")
 INDEX_NAME = "model.safetensors.index.json"
-HEAD_BYTES = 1 << 16  # first GET of a file: its length prefix and, mostly, the whole header
+HEAD_BYTES = 16 << 10  # first GET of a file: its length prefix and most headers (the rest: a second GET)
 PIECE_BYTES = 8 << 20  # bytes per request at most
-GAP_BYTES = 64 << 10  # spans closer than this are fetched in one request (the gap is fetched too)
+GAP_BYTES = 8 << 10  # spans closer than this share a request (the gap is fetched too, and may be another
+# bucket's bytes: kept small, it costs at most this much per span)
+# Columns of a dequantizing op row (``OpBatch.add_dequant``): weight and scale
+# (file, offset, bytes, dtype), the logical dims, and the box's (start, size) per dim.
+_DQ_WEIGHT, _DQ_SCALE, _DQ_DIMS, _DQ_BOX = 1, 5, 12, 17
 DEFAULT_RETRIES = 8
 DEFAULT_CONCURRENCY = 16
 BACKOFF_S = (0.05, 4.0)  # first and largest backoff
@@ -174,7 +178,8 @@ def make_store(remote: RemotePath) -> Any:
         if endpoint.startswith("http://"):
             client.setdefault("allow_http", True)
     try:
-        return from_url(
+        build: Any = from_url  # its overloads are per scheme; the scheme is the URL's
+        return build(
             f"{remote.scheme}://{remote.bucket}",
             config=config or None,
             client_options=client,
@@ -324,7 +329,7 @@ class Fetcher:
         import obstore
 
         url = f"{self.remote.scheme}://{self.remote.bucket}/{key}"
-        options: dict[str, Any] = {"range": (start, end)}
+        options: Any = {"range": (start, end)}  # obstore's GetOptions
         if etag:
             options["if_match"] = etag
 
@@ -635,6 +640,53 @@ class RemoteEngine(ColdEngine):
 
     def prefetch(self, ranges: Sequence[tuple[int, int, int]]) -> None:
         raise CheckpointError("objects in a store are never mapped: there is nothing to prefetch")
+
+    def dequantize(self, rows: np.ndarray) -> int:
+        """Runs dequantizing ops (``OpBatch.add_dequant`` rows) whose sources are in the store:
+        each op's scales whole and, of its weight, only the rows its box covers are fetched into
+        memory the size of the tensor (pages never written are never backed), then the native
+        kernel runs from memory. Returns the source bytes fetched."""
+        rows = rows.copy()
+        spans: dict[int, list[tuple[int, int, int]]] = {}  # file -> (absolute offset, bytes, address)
+        held: dict[tuple[int, int], np.ndarray] = {}  # (file, offset) -> its tensor's memory
+        total = 0
+
+        def memory(f: int, off: int, nbytes: int) -> np.ndarray:
+            if (f, off) not in held:
+                held[(f, off)] = np.empty(max(nbytes, 1), dtype=np.uint8)
+            return held[(f, off)]
+
+        for row in rows:
+            f, off, nbytes = (int(v) for v in row[_DQ_SCALE : _DQ_SCALE + 3])
+            if f >= 0:
+                buf = memory(f, off, nbytes)
+                spans.setdefault(f, []).append((int(self.data_starts[f]) + off, nbytes, buf.ctypes.data))
+                row[_DQ_SCALE : _DQ_SCALE + 2] = (-1, buf.ctypes.data)
+                total += nbytes
+            f, off, nbytes = (int(v) for v in row[_DQ_WEIGHT : _DQ_WEIGHT + 3])
+            if f < 0:
+                continue
+            batch, nrows, _ = (int(v) for v in row[_DQ_DIMS : _DQ_DIMS + 3])
+            (b0, nb), (r0, nr) = row[_DQ_BOX : _DQ_BOX + 2], row[_DQ_BOX + 2 : _DQ_BOX + 4]
+            row_bytes = nbytes // max(1, batch * nrows)
+            buf = memory(f, off, nbytes)
+            base = int(self.data_starts[f]) + off
+            for b in range(int(b0), int(b0 + nb)):
+                at = (b * nrows + int(r0)) * row_bytes
+                spans.setdefault(f, []).append((base + at, int(nr) * row_bytes, buf.ctypes.data + at))
+                total += int(nr) * row_bytes
+            row[_DQ_WEIGHT : _DQ_WEIGHT + 2] = (-1, buf.ctypes.data)
+        for f, items in spans.items():
+            arr = np.ascontiguousarray(np.array([[o, n, a, n] for o, n, a in items], dtype=np.int64))
+            reader = self._lanes.get()
+            try:
+                reader.read(self.paths[f], arr.ctypes.data, arr.nbytes)
+            finally:
+                self._lanes.put(reader)
+        rows = np.ascontiguousarray(rows)
+        _native.dequantize(self.engine, [], rows.ctypes.data, rows.nbytes)
+        held.clear()  # the fetched tensors go as soon as the kernel ran
+        return total
 
 
 class RemoteCheckpoint(Checkpoint):

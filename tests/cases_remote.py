@@ -1,0 +1,130 @@
+"""Cases run on every rank of a RankGroup for tests/test_remote_dist.py: checkpoints in a
+loopback S3 endpoint, loaded by ranged GETs and compared bit for bit with transformers'
+load of the same files from a local directory."""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+import torch
+from cases_load import compare_model, mesh_for, reference, tied
+
+import streamload
+from streamload.errors import StreamloadError
+from streamload.io.remote import RemoteCheckpoint, as_remote
+
+
+def _header_bytes(url: str, storage_options: dict[str, Any]) -> int:
+    """Bytes one rank fetches to open the checkpoint (its headers), measured by opening it."""
+    ckpt = RemoteCheckpoint(as_remote(url, storage_options))
+    try:
+        return ckpt.fetched.bytes
+    finally:
+        ckpt.fetcher.close()
+
+
+def case_remote_load(
+    rank: int,
+    world: int,
+    *,
+    url: str,
+    local: str,
+    ws: int,
+    readers: str,
+    storage_options: dict[str, Any] | None,
+    env: dict[str, str] | None = None,
+    dtype: torch.dtype | None = None,
+    bucket_bytes: int = 1 << 20,
+) -> dict | None:
+    """from_pretrained(url) on ``ws`` ranks against transformers on the local copy; returns this
+    rank's report and the header bytes one open fetches."""
+    mesh = mesh_for(ws)
+    if mesh is None:
+        return None
+    saved = {k: os.environ.get(k) for k in env or {}}
+    os.environ.update(env or {})
+    try:
+        kw: dict[str, Any] = {} if storage_options is None else {"storage_options": storage_options}
+        model = streamload.from_pretrained(
+            url,
+            device_mesh=mesh,
+            dtype=dtype,
+            bucket_bytes=bucket_bytes,
+            progress=False,
+            readers=readers,
+            **kw,
+        )
+        headers = _header_bytes(url, storage_options or {})
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+    ref = reference(local, dtype)
+    bad = compare_model(model, ref)
+    assert not bad, f"differ from transformers: {bad}"
+    assert tied(model) == tied(ref)
+    rep = model.streamload_report
+    assert rep.peak_staging_bytes <= rep.slots * rep.bucket_bytes
+    return {"report": rep.to_dict(), "headers": headers}
+
+
+def case_remote_fails(
+    rank: int, world: int, *, url: str, ws: int, readers: str, storage_options: dict[str, Any]
+) -> dict | None:
+    """A load that must fail: the error each rank got (type, message, seconds)."""
+    mesh = mesh_for(ws)
+    if mesh is None:
+        return None
+    t0 = time.perf_counter()
+    try:
+        streamload.from_pretrained(
+            url, device_mesh=mesh, bucket_bytes=1 << 16, progress=False, readers=readers,
+            storage_options=storage_options,
+        )  # fmt: skip
+    except StreamloadError as exc:
+        return {"type": type(exc).__name__, "message": str(exc), "seconds": time.perf_counter() - t0}
+    raise AssertionError("the load succeeded")
+
+
+def case_remote_load_checkpoint(
+    rank: int,
+    world: int,
+    *,
+    url: str,
+    local: str,
+    ws: int,
+    readers: str,
+    storage_options: dict[str, Any],
+    shard_dim: int = 0,
+) -> dict | None:
+    """load_checkpoint(model, url) into a meta model sharded on ``shard_dim`` (column shards read
+    strided spans of each row range)."""
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import Shard
+
+    from streamload.integrations.pretrained import meta_model
+
+    mesh = mesh_for(ws)
+    if mesh is None:
+        return None
+    model = meta_model(local)
+    model.tie_weights()  # transformers ties lazily: tie before sharding
+
+    def placement(p: torch.nn.Parameter) -> Shard:
+        ok = p.ndim > shard_dim and p.shape[shard_dim] % ws == 0  # FSDP2 shards dims > 0 only evenly
+        return Shard(shard_dim) if ok else Shard(0)
+
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh, shard_placement_fn=placement)
+    fully_shard(model, mesh=mesh, shard_placement_fn=placement)
+    report = streamload.load_checkpoint(
+        model, url, device_mesh=mesh, readers=readers, bucket_bytes=1 << 16, progress=False,
+        storage_options=storage_options,
+    )  # fmt: skip
+    bad = compare_model(model, reference(local, None))
+    assert not bad, f"differ from transformers: {bad}"
+    return report.to_dict()
