@@ -19,7 +19,8 @@ class LoadReport:
             of the files (CPU; see ``map_files``), read when first touched.
         bytes_sent: bytes sent to ranks other than the reader.
         payload_bytes: bytes delivered to all ranks (the reader's own included).
-        seconds: wall time of the whole call on this rank.
+        seconds: wall time of the whole call on this rank (``from_pretrained``: its model build
+            and sharding included).
         gbps: payload_bytes / seconds / 1e9.
         buckets: collectives issued.
         bucket_bytes: configured bucket size.
@@ -42,8 +43,18 @@ class LoadReport:
         remote_bytes / remote_requests / remote_retries: for a checkpoint in object storage, what
             this rank fetched (headers and gaps between coalesced spans included), its requests and
             how many of them were retries; 0 where it read none.
-        phases: seconds spent in open, match, materialize, plan, stream, finalize; and inside the
-            stream, per step on this rank ("stream.pack", "stream.cold_wait", "stream.cold_copy",
+        phases: where this rank's time went, in seconds. Top-level phases (no dot) run one after
+            another and add up to ``seconds``: ``setup``, ``build``, ``shard``, ``agree_build``
+            (``from_pretrained`` only: group and mesh, model on meta, ``shard_fn``, its agreement);
+            ``state`` (tie groups recorded), ``open`` (the reader opens the files and broadcasts the
+            table), ``readers`` (files' identities and fingerprints, all-gathered: the reader
+            choice), ``match`` (conversion mapping and key matching), ``materialize`` (``to_empty``,
+            buffers, ties), ``layout`` (placements and their digest), ``open_own`` (a rank reading
+            its own shards opens its files: page-cache residency check, headers), ``agree_layout``,
+            ``plan``, ``map`` (mapped views, fallback sources), ``strategy_open``, ``agree_plan``,
+            ``stream`` (the copy), ``close``, ``ties``, ``agree_final``, ``finalize``. Dotted ones
+            break a phase down: ``open.files``, ``open.config``, ``open.broadcast``, and the
+            stream's steps ("stream.pack", "stream.cold_wait", "stream.cold_copy",
             "stream.cold_read" (read time summed over the read lanes), "stream.scatter_wait",
             "stream.unpack", "stream.status"; see ``streamload.timeline``).
     """

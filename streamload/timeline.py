@@ -1,6 +1,8 @@
-"""Timeline: where a load's stream spends its time, and in what order its steps ran.
+"""Timeline: where a load spends its time, and in what order its stream's steps ran.
 
-Every load records seconds per stream step (pack, cold read wait, transport
+``PhaseClock`` times the whole load as consecutive phases (open, readers, match,
+materialize, ..., stream, ties, finalize): they add up to the load's wall time.
+Within the stream, every load records seconds per stream step (pack, cold read wait, transport
 wait, unpack, status checks); they land in ``LoadReport.phases`` as
 ``"stream.<step>"``. With ``events=True`` (tests) it also keeps the ordered
 log of step starts and ends per bucket, so a test can prove that the read of
@@ -71,6 +73,52 @@ class Timeline:
         """The seconds as ``LoadReport.phases`` entries (``"stream.<step>"``)."""
         with self._lock:
             return {f"stream.{k}": v for k, v in self.seconds.items()}
+
+
+class PhaseClock:
+    """Seconds per named phase of one load, from one start.
+
+    Top-level phases (names without a dot) follow one another: each ``mark`` charges
+    the time since the previous one, so together they add up to the wall time from
+    ``start`` to the last mark. A dotted name (``"open.config"``) breaks its parent
+    phase down (``part``) and is not counted again.
+
+    Example:
+        >>> clock = PhaseClock()
+        >>> with clock.part("open.config"):
+        ...     read_config()
+        >>> clock.mark("open")
+        >>> sum(top_level(clock.phases).values()) == clock.total()
+        True
+    """
+
+    def __init__(self) -> None:
+        self.start = self.last = time.perf_counter()
+        self.phases: dict[str, float] = {}
+
+    def mark(self, name: str) -> None:
+        """Charges the time since the previous mark (or the start) to phase ``name``."""
+        now = time.perf_counter()
+        self.phases[name] = self.phases.get(name, 0.0) + now - self.last
+        self.last = now
+
+    @contextmanager
+    def part(self, name: str) -> Iterator[None]:
+        """Times the block as ``name``, a breakdown of the phase it runs in (no mark)."""
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.phases[name] = self.phases.get(name, 0.0) + time.perf_counter() - t0
+
+    def total(self) -> float:
+        """Seconds from the start to the last mark: the sum of the top-level phases."""
+        return self.last - self.start
+
+
+def top_level(phases: dict[str, float]) -> dict[str, float]:
+    """The phases that add up to the load's wall time (names without a dot)."""
+    return {k: v for k, v in phases.items() if "." not in k}
 
 
 _NULL = Timeline()

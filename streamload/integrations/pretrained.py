@@ -18,6 +18,7 @@ from ..load.driver import run_load
 from ..load.prepare import LoadOptions
 from ..load.source import compare_tied, open_source, resolve_device, resolve_group
 from ..model.state import ModelState, rebind_ties, record_state
+from ..timeline import PhaseClock
 from ..transport.protocol import gather_or_raise
 
 
@@ -194,6 +195,7 @@ def from_pretrained(
     Example:
         >>> model = streamload.from_pretrained("/ckpt", dtype=torch.float32)
     """
+    clock = PhaseClock()  # the report's phases cover the whole call: config, build and shard too
     try:
         from accelerate import init_empty_weights
         from transformers import AutoModelForCausalLM
@@ -209,7 +211,14 @@ def from_pretrained(
         dev = "cuda" if "nccl" in str(dist.get_backend(group)) else "cpu"
         device_mesh = init_device_mesh(dev, (dist.get_world_size(group),))
     # No model yet: the index is the group's bound device, else the current one.
-    bcast_device = resolve_device(nn.Module(), device_mesh, group) if device_mesh is not None else torch.device("cpu")
+    bcast_device = (
+        resolve_device(nn.Module(), device_mesh, group) if device_mesh is not None else torch.device("cpu")
+    )
+    clock.mark("setup")
+
+    def configs() -> dict[str, Any]:
+        with clock.part("open.config"):
+            return _read_configs(path if isinstance(path, RemotePath) else Path(path))
 
     # The reader sends the config with the tensor table; no other rank needs the files.
     empty = ModelState({}, {}, [])  # nothing: no model yet (built below, after the config arrives)
@@ -222,10 +231,12 @@ def from_pretrained(
         empty,
         load_kwargs.get("read_mode", "auto"),  # kept: ranks that read their own shards open with it too
         load_kwargs.get("threads"),  # kept too: ranks that read their own shards use it
-        extra=lambda: _read_configs(path if isinstance(path, RemotePath) else Path(path)),
+        extra=configs,
         drop_cache=bool(load_kwargs.get("drop_cache", False)),
         direct_io=load_kwargs.get("direct_io"),
+        clock=clock,
     )
+    clock.mark("open")
     meta = opened.meta
     config = meta.extra["config"]
     cls: Any = model_cls or AutoModelForCausalLM
@@ -249,8 +260,10 @@ def from_pretrained(
         # Tie before sharding, so FSDP manages one parameter (one shard, one
         # all-gather, one gradient) rather than two it would later fold together.
         rebind_ties(model, record_state(model).ties)
+        clock.mark("build")
         if device_mesh is not None:
             (shard_fn or default_shard_fn)(model, device_mesh)
+        clock.mark("shard")
         if opened.source is not None and rank == src_rank:
             # Tie conflicts need the model's tie groups, which exist only now.
             meta.tie_conflicts = compare_tied(opened.source, record_state(model))
@@ -268,7 +281,8 @@ def from_pretrained(
     # one agreement, so such a failure raises on every rank instead of leaving the
     # others waiting in the load's first collective.
     gather_or_raise(None, error, rank, group, bcast_device)
-    report = run_load(model, path, options, opened)
+    clock.mark("agree_build")
     model.eval()
+    report = run_load(model, path, options, opened, clock)
     model.streamload_report = report  # type: ignore[assignment]
     return model

@@ -13,7 +13,7 @@ from torch import nn
 
 from ..io.checkpoint import Checkpoint
 from ..report import LoadReport
-from ..timeline import current, recording
+from ..timeline import PhaseClock, current, recording
 from ..transport.readers import ReaderMode
 from ..transport.strategies import StreamResult
 from .finalize import finalize
@@ -139,13 +139,18 @@ def load_checkpoint(
         >>> fully_shard(model)
         >>> report = streamload.load_checkpoint(model, "/ckpt")
     """
+    clock = PhaseClock()
     knobs = locals()  # every keyword above is a LoadOptions field of the same name
     options = LoadOptions(**{f.name: knobs[f.name] for f in fields(LoadOptions)})
-    return run_load(model, path, options)
+    return run_load(model, path, options, clock=clock)
 
 
 def run_load(
-    model: nn.Module, path: Any, options: LoadOptions, opened: OpenedSource | None = None
+    model: nn.Module,
+    path: Any,
+    options: LoadOptions,
+    opened: OpenedSource | None = None,
+    clock: PhaseClock | None = None,
 ) -> LoadReport:
     """The load itself, for callers that hold ``LoadOptions`` or an already opened checkpoint.
 
@@ -154,23 +159,33 @@ def run_load(
         options: the load's knobs.
         opened: what ``open_source`` returned, when the caller opened the checkpoint
             itself (``from_pretrained`` reads the config with it).
+        clock: the phase clock the caller started (``from_pretrained`` times its own
+            phases with it); default: one started here.
 
     Returns:
-        A LoadReport.
+        A LoadReport; its ``phases`` cover the call from the clock's start to the end
+        (top-level phases add up to ``seconds``).
     """
+    clock = clock or PhaseClock()
     with recording() as timeline:
         counted = current()  # this load's timeline, or a test's that every load records into
         before = dict(counted.counts)
-        prep = prepare(model, path, options, opened)
+        prep = prepare(model, path, options, opened, clock)
         strategy = prep.strategy
         assert strategy is not None
         result: StreamResult
         try:
             result = strategy.run(prep)
+            clock.mark("stream")
         finally:
             strategy.close()
+        clock.mark("close")
         report = finalize(prep, result)
     report.phases.update(timeline.phases())  # the stream's steps: where its time went
     report.disk_bytes_read = counted.counts.get("disk_bytes", 0) - before.get("disk_bytes", 0)
     report.disk_reads = counted.counts.get("disk_reads", 0) - before.get("disk_reads", 0)
+    clock.mark("finalize")
+    report.phases.update(clock.phases)
+    report.seconds = clock.total()
+    report.gbps = report.payload_bytes / report.seconds / 1e9 if report.seconds > 0 else 0.0
     return report

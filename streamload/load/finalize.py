@@ -37,15 +37,14 @@ def finalize(prep: Prepared, result: StreamResult) -> LoadReport:
         result: what the reader strategy measured on this rank.
 
     Returns:
-        This rank's LoadReport.
+        This rank's LoadReport (``seconds`` and ``phases`` are completed by the driver).
     """
-    prep.clock.mark("stream")
     error: BaseException | None = None
     try:
         rebind_ties(prep.model, prep.state.ties)
     except BaseException as exc:  # noqa: BLE001 - reported to every rank below, then re-raised
         error = exc
-    prep.clock.mark("finalize")
+    prep.clock.mark("ties")
     plan, match, mapped = prep.plan, prep.match, prep.mapped
     seconds = time.perf_counter() - prep.clock.start
     received = [0] * plan.world_size
@@ -56,6 +55,7 @@ def finalize(prep: Prepared, result: StreamResult) -> LoadReport:
     # carries what each rank received: a plan covers this rank's node (or itself) only,
     # and in src mode the receivers' plans do not cover the other ranks.
     every = gather_or_raise(received[prep.plan_rank], error, prep.rank, prep.group, prep.device)
+    prep.clock.mark("agree_final")
     if len(every) > 1:
         received = [int(n) for n in every]
     payload = sum(received)
@@ -93,5 +93,5 @@ def finalize(prep: Prepared, result: StreamResult) -> LoadReport:
         unrestored_buffers=prep.unrestored,
         reader=f"{prep.choice.mode.value}: {prep.choice.reason}",
         read_mode=_drop_cache(prep),
-        phases=prep.clock.phases,
+        phases=dict(prep.clock.phases),
     )

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 import os
-import time
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
@@ -53,6 +52,7 @@ from ..plan.global_buckets import build_served_plan
 from ..plan.keys import KeyMatch, match_keys
 from ..plan.mapping import plan_mapping
 from ..plan.quant import QuantTensor, check_kept, quantized_view, scheme_from_config
+from ..timeline import PhaseClock
 from ..transport.protocol import gather_or_raise
 from ..transport.readers import ReaderChoice, ReaderMode, choose, fall_back
 from ..transport.strategies import ReaderStrategy, make_strategy
@@ -121,20 +121,6 @@ class LoadOptions:
     prefault: bool | None = None
     node: str | None = None
     storage_options: dict[str, Any] | None = None
-
-
-class PhaseClock:
-    """Seconds per named phase of a load, from one start."""
-
-    def __init__(self) -> None:
-        self.start = self.last = time.perf_counter()
-        self.phases: dict[str, float] = {}
-
-    def mark(self, name: str) -> None:
-        """Charges the time since the previous mark to ``name``."""
-        now = time.perf_counter()
-        self.phases[name] = self.phases.get(name, 0.0) + now - self.last
-        self.last = now
 
 
 @dataclass
@@ -210,7 +196,11 @@ def pad_buckets(plan: Plan, count: int) -> None:
 
 
 def prepare(
-    model: nn.Module, path: Any, options: LoadOptions, opened: OpenedSource | None = None
+    model: nn.Module,
+    path: Any,
+    options: LoadOptions,
+    opened: OpenedSource | None = None,
+    clock: PhaseClock | None = None,
 ) -> Prepared:
     """Collective: every check that can be made before the first weight byte, then the plan.
 
@@ -223,12 +213,13 @@ def prepare(
         path: what this rank was given (see ``load_checkpoint``).
         options: the load's knobs.
         opened: a checkpoint already opened with ``open_source`` (else it is opened here).
+        clock: the load's phase clock, when the caller started timing before (``from_pretrained``).
 
     Returns:
         The prepared load: materialised model, agreed placements, plan, local shards and the
         reader strategy, opened (the caller runs it and closes it).
     """
-    clock = PhaseClock()
+    clock = clock or PhaseClock()
     path = as_remote(path, options.storage_options)
     if options.slots < 1:
         raise ValueError("slots must be >= 1")
@@ -247,6 +238,7 @@ def prepare(
     except BaseException as exc:  # noqa: BLE001 - raised in the first agreement below
         # This rank still opens and chooses with the others (collectives), with nothing to load.
         early, state, ties_here = exc, ModelState({}, {}, []), TieLayout("")
+    clock.mark("state")
     src_rank = options.src_rank
     if opened is None:
         opened = open_source(
@@ -260,13 +252,17 @@ def prepare(
             options.threads,
             drop_cache=options.drop_cache,
             direct_io=options.direct_io,
+            clock=clock,
         )
     meta = opened.meta
     src_group_rank = dist.get_group_rank(group, src_rank) if group is not None else 0
     group_rank = dist.get_group_rank(group, rank) if group is not None else 0
     in_memory = (
-        rank == src_rank and opened.source is not None and not isinstance(path, (str, os.PathLike, RemotePath))
+        rank == src_rank
+        and opened.source is not None
+        and not isinstance(path, (str, os.PathLike, RemotePath))
     )
+    clock.mark("open")
     # The reader's identity comes from the files it opened above, whatever their paths name by now.
     source = opened.source
     choice = choose(
@@ -274,7 +270,7 @@ def prepare(
     )
     if group_rank == src_group_rank:
         log.info("streamload: readers=%s (%s)", choice.mode.value, choice.reason)
-    clock.mark("open")
+    clock.mark("readers")  # fingerprints and identities of the files, and their all-gather
 
     local = _Local(table=meta.table, source=opened.source)
     error: BaseException | None = None
@@ -291,6 +287,7 @@ def prepare(
     gathered = gather_or_raise((local.digest, ties_here, local.replaced), error, rank, group, device)
     digests = [d for d, _, _ in gathered]
     agree_ties([t for _, t, _ in gathered], model, rank, group, device)
+    clock.mark("agree_layout")
     replaced = [r for r, (_, _, changed) in enumerate(gathered) if changed]
     if replaced:
         # Some reader opened other files than the reader's (replaced since it opened them):
@@ -327,6 +324,7 @@ def prepare(
         strategy.open(choice, group, device)
     except BaseException as exc:  # noqa: BLE001 - reported to every rank, then re-raised
         error = error or exc
+    clock.mark("strategy_open")
     try:
         # The agreement also carries each rank's bucket count: owners plans are per rank, node
         # plans per node, and every rank must take part in the same number of per-bucket steps.
@@ -338,7 +336,7 @@ def prepare(
     if choice.mode in (ReaderMode.OWNERS, ReaderMode.NODE):
         pad_buckets(prep.plan, max(counts))
     prep.strategy = strategy
-    clock.mark("plan")
+    clock.mark("agree_plan")
     return prep
 
 
@@ -373,6 +371,7 @@ def _plan_and_map(
         placements = placements_for(local.specs, glob)
         validate_dtypes(local.match.targets, local.table, placements)
         plan = build_plan(local.match.targets, dtypes, placements, bucket_bytes)
+    clock.mark("plan")
     if rank == options.src_rank and meta.tie_conflicts:
         warnings.warn(
             f"streamload: checkpoint holds tied tensors with different values: {meta.tie_conflicts}; "
@@ -402,6 +401,7 @@ def _plan_and_map(
     shards = Shards(
         locals_, fallbacks, options.slots, options.progress, mapped.targets, local.quant, options.prefault
     )
+    clock.mark("map")  # mapped views of the files and the fallback sources
     return Prepared(
         model, options, clock, state, group, device, rank, group_rank, src_group_rank, choice, meta, ckpt,
         local.match, local.table, placements, plan, bucket_bytes, shards, mapped, local.unrestored, served,
@@ -524,6 +524,7 @@ def _check_and_materialize(
                 tensor=t.name,
             )
     local.digest = spec_digest([t.name for t in match.targets], local.specs)
+    clock.mark("layout")
     mode = choice.mode
     reads = mode is ReaderMode.OWNERS or (mode is ReaderMode.NODE and group_rank in choice.node_readers)
     if reads and local.source is None:
@@ -538,3 +539,4 @@ def _check_and_materialize(
         local.replaced = not choice.proof_holds(local.source)
         if not local.replaced:
             check_same_table(local.source, meta.table)
+        clock.mark("open_own")  # this rank's own files: residency check (mincore), headers

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Mapping
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -15,6 +16,7 @@ from ..errors import CheckpointError, StreamloadError
 from ..io.sources import STATE_DICT, Source, as_source
 from ..model.state import ModelState, fsdp_device, local_tensor
 from ..plan.convert import FALLBACK_PREFIX, Table
+from ..timeline import PhaseClock
 from ..transport.collectives import broadcast_object
 from ..transport.protocol import portable
 
@@ -165,6 +167,7 @@ def open_source(
     extra: Any = None,
     drop_cache: bool = False,
     direct_io: bool | None = None,
+    clock: PhaseClock | None = None,
 ) -> OpenedSource:
     """Collective: the reader opens the checkpoint and broadcasts its table (or its error).
 
@@ -173,6 +176,8 @@ def open_source(
         rank, src_rank: this rank and the reader, global ranks.
         state: the model's recorded state (tie conflicts are checked against it).
         extra: a dict, or a callable the reader runs, sent along with the table.
+        clock: the load's phase clock: the reader's file opening (``open.files``: headers and
+            the page-cache residency check) and the broadcast (``open.broadcast``) are timed.
 
     Returns:
         The source (on the reader; None elsewhere) and the meta every rank shares.
@@ -185,7 +190,8 @@ def open_source(
             if path is None:
                 raise StreamloadError("the reader rank was given no checkpoint", rank=rank)
             check_full_state(path)
-            ckpt = as_source(path, read_mode, threads, drop_cache, direct_io)
+            with clock.part("open.files") if clock else nullcontext():
+                ckpt = as_source(path, read_mode, threads, drop_cache, direct_io)
             table = {t.name: (t.dtype, t.shape, t.file) for t in ckpt.tensors}
             payload = SourceMeta(
                 table,
@@ -196,9 +202,10 @@ def open_source(
         except BaseException as exc:  # noqa: BLE001 - every rank must hear of it
             local = exc
             payload = portable(exc, rank)
-    payload = broadcast_object(
-        payload, src_rank, group, device if device.type != "meta" else torch.device("cpu")
-    )
+    with clock.part("open.broadcast") if clock else nullcontext():
+        payload = broadcast_object(
+            payload, src_rank, group, device if device.type != "meta" else torch.device("cpu")
+        )
     if local is not None:
         raise local
     if isinstance(payload, BaseException):
