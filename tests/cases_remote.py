@@ -9,7 +9,7 @@ import time
 from typing import Any
 
 import torch
-from cases_load import compare_model, mesh_for, reference, tied
+from cases_load import _same_config, compare_model, mesh_for, reference, tied
 
 import streamload
 from streamload.errors import StreamloadError
@@ -67,6 +67,15 @@ def case_remote_load(
     bad = compare_model(model, ref)
     assert not bad, f"differ from transformers: {bad}"
     assert tied(model) == tied(ref)
+    # The config and generation config as transformers reads them from the local copy (its load
+    # of a quantized checkpoint rewrites quantization_config: test_configs_read_as_transformers).
+    if getattr(model.config, "quantization_config", None) is None:
+        model.config._name_or_path = ref.config._name_or_path
+        a, b = model.config.to_dict(), ref.config.to_dict()
+        assert _same_config(model.config, ref.config), {
+            k: (a.get(k), b.get(k)) for k in a.keys() | b.keys() if a.get(k) != b.get(k)
+        }
+    assert model.generation_config.to_dict() == ref.generation_config.to_dict()
     rep = model.streamload_report
     assert rep.peak_staging_bytes <= rep.slots * rep.bucket_bytes
     return {"report": rep.to_dict(), "headers": headers}

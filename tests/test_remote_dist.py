@@ -133,6 +133,20 @@ def test_column_shards(group: RankGroup, s3: LocalS3, ckpts, readers: str) -> No
     )  # fmt: skip
 
 
+def test_configs_read_as_transformers(s3: LocalS3, ckpts) -> None:
+    """config.json and generation_config.json fetched whole and parsed as AutoConfig reads them."""
+    from transformers import AutoConfig, GenerationConfig
+
+    from streamload.integrations.pretrained import _read_configs
+    from streamload.io.remote import as_remote
+
+    for local, url in ckpts.values():
+        got = _read_configs(as_remote(url, s3.storage_options))
+        want = AutoConfig.from_pretrained(local).to_dict()
+        assert got["config"].to_dict() == {**want, "_name_or_path": url}
+        assert got["generation_config"].to_dict() == GenerationConfig.from_pretrained(local).to_dict()
+
+
 def test_standard_environment(group: RankGroup, s3: LocalS3, ckpts) -> None:
     """No storage_options: endpoint and credentials from AWS_ENDPOINT_URL and AWS_* variables."""
     local, url = ckpts["dense_tied"]

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+import json
 import os
-import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -126,24 +126,39 @@ def keep_quantized_skeleton(model: nn.Module, config: Any) -> None:
     replace_with_fp8_linear(model, modules_to_not_convert=skip, quantization_config=fp8, pre_quantized=True)
 
 
+def _read_remote_configs(path: RemotePath) -> dict[str, Any]:
+    """config.json and generation_config.json of a checkpoint in object storage, fetched whole
+    and parsed as transformers' from_pretrained parses them (nothing is written to disk)."""
+    from transformers import CONFIG_MAPPING, GenerationConfig
+
+    raw = read_small(path, "config.json")
+    if raw is None:
+        raise CheckpointError(
+            "no config.json: from_pretrained builds the model from it",
+            path.url_of("config.json"),
+            hint="upload config.json beside the *.safetensors, or build the model yourself and "
+            "call streamload.load_checkpoint(model, URL)",
+        )
+    try:
+        values = json.loads(raw)
+        config = CONFIG_MAPPING[values["model_type"]].from_dict(values)
+    except (ValueError, KeyError) as exc:
+        raise CheckpointError(
+            f"config.json does not describe a transformers model: {exc}", path.url_of("config.json")
+        ) from exc
+    config._name_or_path = path.url
+    out: dict[str, Any] = {"config": config}
+    generation = read_small(path, "generation_config.json")
+    if generation is not None:
+        out["generation_config"] = GenerationConfig.from_dict(json.loads(generation))
+    return out
+
+
 def _read_configs(path: Path | RemotePath) -> dict[str, Any]:
     from transformers import AutoConfig, GenerationConfig
 
     if isinstance(path, RemotePath):
-        # The two small JSON files, fetched whole into a temporary directory transformers reads.
-        with tempfile.TemporaryDirectory(prefix="streamload_config_") as tmp:
-            for name in ("config.json", "generation_config.json"):
-                data = read_small(path, name)
-                if data is not None:
-                    (Path(tmp) / name).write_bytes(data)
-            if not (Path(tmp) / "config.json").exists():
-                raise CheckpointError(
-                    "no config.json: from_pretrained builds the model from it",
-                    path.url_of("config.json"),
-                    hint="upload config.json beside the *.safetensors, or build the model yourself and "
-                    "call streamload.load_checkpoint(model, URL)",
-                )
-            return _read_configs(Path(tmp))
+        return _read_remote_configs(path)
     if path.is_dir() and not (path / "config.json").exists():
         raise CheckpointError(
             "no config.json: from_pretrained builds the model from it",
