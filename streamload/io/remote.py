@@ -18,7 +18,9 @@ Credentials, region and endpoint come from the standard environment (``AWS_*``,
 ``GOOGLE_*``, ``AZURE_*``: obstore reads it) plus ``storage_options``, whose keys are
 obstore's store config (``endpoint``, ``region``, ``access_key_id``, ...) and client
 options (``allow_http``, ``timeout``, ...), and two of streamload's own: ``retries``
-(per request, default 8) and ``concurrency`` (requests in flight per reader, default 16).
+(per request, default 8; none starts 120 s after the first attempt) and ``concurrency``
+(requests in flight per reader, default 16). Requests time out after 30 s (``timeout``) and
+connections after 10 s (``connect_timeout``).
 """
 
 from __future__ import annotations
@@ -57,6 +59,7 @@ _DQ_WEIGHT, _DQ_SCALE, _DQ_DIMS, _DQ_BOX = 1, 5, 12, 17
 DEFAULT_RETRIES = 8
 DEFAULT_CONCURRENCY = 16
 BACKOFF_S = (0.05, 4.0)  # first and largest backoff
+RETRY_DEADLINE_S = 120.0  # no retry starts this long after a request's first attempt
 # obstore's ClientConfig keys (the rest of storage_options is the store's config).
 CLIENT_KEYS = frozenset(
     {
@@ -169,7 +172,7 @@ def make_store(remote: RemotePath) -> Any:
         raise ImportError(f"reading {remote.url} needs obstore: pip install 'streamload[remote]'") from exc
     opts = dict(remote.options)
     client = {k: v for k, v in opts.items() if k in CLIENT_KEYS}
-    client.setdefault("timeout", "60s")
+    client.setdefault("timeout", "30s")
     client.setdefault("connect_timeout", "10s")
     config = {k: v for k, v in opts.items() if k not in CLIENT_KEYS and k not in OWN_KEYS}
     endpoint = os.environ.get("AWS_ENDPOINT_URL")
@@ -298,6 +301,7 @@ class Fetcher:
     async def _retrying(self, url: str, what: str, call: Callable[[], Awaitable[T]]) -> tuple[T, int]:
         """``call()`` with retries and backoff; (its result, retries made) or a named RemoteError."""
         attempt = 0
+        began = time.monotonic()
         while True:
             try:
                 async with self._semaphore():
@@ -305,7 +309,8 @@ class Fetcher:
             except Exception as exc:  # noqa: BLE001 - classified below
                 if isinstance(exc, RemoteError):
                     raise
-                if not _retryable(exc) or attempt >= self.retries:
+                late = time.monotonic() - began > RETRY_DEADLINE_S
+                if not _retryable(exc) or attempt >= self.retries or late:
                     raise _named(exc, url, what, attempt + 1) from exc
                 attempt += 1
                 delay = min(BACKOFF_S[1], BACKOFF_S[0] * 2**attempt)

@@ -1,0 +1,176 @@
+"""streamload.io.remote in one process: URLs, request planning, retry classification, and
+checkpoints in a loopback S3 endpoint read as local ones are (table, reads, bad files)."""
+
+from __future__ import annotations
+
+import json
+import struct
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from streamload.errors import CheckpointError, CheckpointFileError, UnsafePathError
+from streamload.io.checkpoint import Checkpoint
+from streamload.io.remote import (
+    GAP_BYTES,
+    PIECE_BYTES,
+    RemoteCheckpoint,
+    RemotePath,
+    _retryable,
+    as_remote,
+    is_remote,
+    plan_requests,
+)
+
+pytest.importorskip("obstore")
+pytest.importorskip("moto")
+
+from streamload.tools.bench.s3 import LocalS3  # noqa: E402
+
+BUCKET = "unit"
+
+
+def test_urls() -> None:
+    assert is_remote("s3://b/p") and is_remote("gs://b/p") and is_remote("az://c/p")
+    assert not is_remote("/local/dir") and not is_remote("file:///x") and not is_remote(Path("s3:/x"))
+    r = as_remote("s3://bucket/some/prefix/", {"region": "us-east-1"})
+    assert isinstance(r, RemotePath) and as_remote(r) is r
+    assert (r.bucket, r.prefix, r.key("a.safetensors")) == (
+        "bucket",
+        "some/prefix",
+        "some/prefix/a.safetensors",
+    )
+    one = as_remote("s3://bucket/dir/model.safetensors")
+    assert one.is_file and one.file_key("model.safetensors") == "dir/model.safetensors"
+    assert as_remote("/local") == "/local"
+    with pytest.raises(ValueError, match="retries"):
+        as_remote("s3://b/p", {"retries": "many"}).setting("retries", 8)
+
+
+def test_plan_requests_cover_every_span_once() -> None:
+    rng = np.random.default_rng(0)
+    for _ in range(50):
+        n = int(rng.integers(1, 40))
+        offsets = np.sort(rng.integers(0, 64 << 20, n))
+        lengths = rng.integers(1, 12 << 20, n)
+        dest = np.cumsum(np.concatenate([[0], lengths[:-1]])) + (1 << 40)
+        spans = np.stack([offsets, lengths, dest, lengths], axis=1).astype(np.int64)
+        requests = plan_requests(spans)
+        covered: dict[int, int] = {}
+        for start, end, targets in requests:
+            assert 0 < end - start <= PIECE_BYTES
+            for off, nb, dst in targets:
+                assert start <= off and off + nb <= end
+                covered[dst] = nb
+        # Every destination byte is written by exactly one target piece.
+        for _off, nb, dst, _ in spans.tolist():
+            got = sum(v for k, v in covered.items() if dst <= k < dst + nb)
+            assert got == nb
+        # A gap fetched inside a request is at most GAP_BYTES.
+        for _start, _end, targets in requests:
+            ends = sorted((o, o + n) for o, n, _ in targets)
+            reach = ends[0][1]
+            for o, e in ends[1:]:
+                assert o - reach <= GAP_BYTES
+                reach = max(reach, e)
+
+
+def test_retry_classification() -> None:
+    from obstore import exceptions as oe
+
+    assert _retryable(oe.GenericError("Server returned non-2xx status code: 503 Service Unavailable"))
+    assert _retryable(oe.GenericError("Server returned non-2xx status code: 429 Too Many Requests"))
+    assert _retryable(ConnectionError("short body"))
+    assert not _retryable(oe.GenericError("Server returned non-2xx status code: 400 Bad Request"))
+    assert not _retryable(FileNotFoundError("gone"))
+    assert not _retryable(oe.PreconditionError("etag"))
+
+
+@pytest.fixture(scope="module")
+def s3():
+    with LocalS3() as server:
+        yield server
+
+
+def _tensors() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    return {
+        "a": torch.randn(64, 48, generator=g).to(torch.bfloat16),
+        "b": torch.randn(7, generator=g),
+        "c": torch.randint(-100, 100, (5, 3), generator=g, dtype=torch.int32),
+    }
+
+
+def test_table_and_reads_equal_the_local_checkpoint(s3: LocalS3, tmp_path: Path) -> None:
+    save_file(_tensors(), str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
+    url = s3.upload_dir(tmp_path, BUCKET, "plain")
+    local = Checkpoint(tmp_path)
+    remote = RemoteCheckpoint(as_remote(url, s3.storage_options))
+    assert remote.read_mode == "remote"
+    assert [(t.name, t.dtype, t.shape, t.begin, t.nbytes) for t in remote.tensors] == [
+        (t.name, t.dtype, t.shape, t.begin, t.nbytes) for t in local.tensors
+    ]
+    assert remote.metadata[remote.files[0].path] == {"format": "pt"}
+    for name in local:
+        assert torch.equal(remote.read(name), local.read(name))
+        assert torch.equal(remote.read_bytes(name), local.read_bytes(name))
+    assert torch.equal(remote.read_region("a", [(3, 9), (5, 40)]), local.read_region("a", [(3, 9), (5, 40)]))
+    remote.check_unchanged()
+    s3.put(BUCKET, "plain/model.safetensors", (tmp_path / "model.safetensors").read_bytes() + b" ")
+    with pytest.raises(CheckpointFileError, match="changed during the load"):
+        remote.check_unchanged()
+    with pytest.raises(CheckpointFileError, match="changed during the load"):
+        remote.read("a")
+
+
+def _upload_bytes(s3: LocalS3, prefix: str, data: bytes) -> str:
+    s3.put(BUCKET, f"{prefix}/model.safetensors", data)
+    return f"s3://{BUCKET}/{prefix}/"
+
+
+def test_bad_files_are_named_errors(s3: LocalS3, tmp_path: Path) -> None:
+    save_file(_tensors(), str(tmp_path / "model.safetensors"))
+    good = (tmp_path / "model.safetensors").read_bytes()
+    n = struct.unpack("<Q", good[:8])[0]
+    header = json.loads(good[8 : 8 + n])
+    cases = {
+        "truncated": good[: 8 + n + 10],  # data shorter than the header says
+        "short": good[:5],
+        "huge_header": struct.pack("<Q", 1 << 40) + good[8:],
+    }
+    lying = dict(header)
+    lying["a"] = {**header["a"], "data_offsets": [0, 10]}  # not its shape's size
+    text = json.dumps(lying).encode()
+    cases["lying_offsets"] = struct.pack("<Q", len(text)) + text + good[8 + n :]
+    for name, data in cases.items():
+        url = _upload_bytes(s3, f"bad_{name}", data)
+        with pytest.raises(CheckpointError) as info:
+            RemoteCheckpoint(as_remote(url, s3.storage_options))
+        assert f"bad_{name}/model.safetensors" in str(info.value), (name, info.value)
+
+
+def test_index_and_listing(s3: LocalS3, tmp_path: Path) -> None:
+    t = _tensors()
+    save_file({"a": t["a"]}, str(tmp_path / "one.safetensors"))
+    save_file({"b": t["b"], "c": t["c"]}, str(tmp_path / "two.safetensors"))
+    # No index: every *.safetensors under the prefix.
+    url = s3.upload_dir(tmp_path, BUCKET, "listed")
+    assert sorted(RemoteCheckpoint(as_remote(url, s3.storage_options)).keys()) == ["a", "b", "c"]
+    # An index that maps a tensor to a file that does not hold it.
+    index = {"weight_map": {"a": "two.safetensors", "b": "two.safetensors", "c": "two.safetensors"}}
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps(index))
+    url = s3.upload_dir(tmp_path, BUCKET, "wrong_index")
+    with pytest.raises(CheckpointError, match="does not hold it"):
+        RemoteCheckpoint(as_remote(url, s3.storage_options))
+    index["weight_map"]["a"] = "/abs/one.safetensors"
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps(index))
+    url = s3.upload_dir(tmp_path, BUCKET, "abs_index")
+    with pytest.raises(UnsafePathError):
+        RemoteCheckpoint(as_remote(url, s3.storage_options))
+    (tmp_path / "model.safetensors.index.json").write_text("{not json")
+    url = s3.upload_dir(tmp_path, BUCKET, "broken_index")
+    with pytest.raises(CheckpointError, match="malformed index"):
+        RemoteCheckpoint(as_remote(url, s3.storage_options))
