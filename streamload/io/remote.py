@@ -626,7 +626,7 @@ class RemoteEngine(ColdEngine):
     def __init__(self, engine: Any, files: Sequence[RemoteFile], fetcher: Fetcher) -> None:
         self.fetcher = fetcher
         self.keys = {f.path: (f.key, f.etag) for f in files}
-        super().__init__(engine, files, chunk_bytes=32 << 20, buffers=4, lanes=2, direct_io=False)
+        super().__init__(engine, files, chunk_bytes=64 << 20, buffers=4, lanes=2, direct_io=False)
 
     def _set_lanes(self, buffered: bool) -> None:
         while not self._lanes.empty():
