@@ -719,6 +719,11 @@ class RemoteCheckpoint(Checkpoint):
     def _member(self, fname: str) -> str:
         return self.remote.url_of(fname)
 
+    def __del__(self) -> None:
+        fetcher = getattr(self, "fetcher", None)
+        if fetcher is not None:
+            fetcher.close()  # its event loop thread goes with the checkpoint
+
     @property
     def fetched(self) -> FetchStats:
         """Bytes, requests and retries this checkpoint fetched (headers included)."""
