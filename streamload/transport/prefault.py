@@ -24,7 +24,10 @@ import torch
 from ..options import env_flag
 
 MADV_POPULATE_WRITE = 23  # linux/mman.h
+MADV_HUGEPAGE = 14
+MADV_NOHUGEPAGE = 15
 PAGE = 4096
+HUGE_PAGE = 2 << 20  # a transparent huge page on x86-64 and arm64 with 4 KiB pages
 _STEP = 64 << 20  # populate in steps, so a failing range stops early
 
 
@@ -37,6 +40,19 @@ def _libc_madvise() -> Any:
     fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
     fn.restype = ctypes.c_int
     return fn
+
+
+def advise(ranges: Sequence[tuple[int, int]], advice: int) -> bool:
+    """``madvise(advice)`` on each page-aligned [start, end) range; False where the host refuses
+    (no ``madvise``, or ``EINVAL``: an old kernel, THP compiled out) and nothing is changed.
+
+    Example:
+        >>> advise(page_ranges([buffer]), MADV_HUGEPAGE)
+    """
+    madvise = _libc_madvise() if ranges else None
+    if madvise is None:
+        return False
+    return all(madvise(a, b - a, advice) == 0 for a, b in ranges if b > a)
 
 
 def page_ranges(tensors: Sequence[torch.Tensor]) -> list[tuple[int, int]]:

@@ -14,8 +14,8 @@ from .cold import cold_table, disk_bandwidth, median_rows
 from .runner import run_strategy
 from .save import run_save
 from .save_strategies import SAVE_STRATEGIES, SAVERS
-from .strategies import STRATEGIES, keyword_annotation, load_keywords
-from .table import markdown_table, median_of, write_jsonl
+from .strategies import FLOORS, STRATEGIES, keyword_annotation, load_keywords
+from .table import markdown_table, median_of, phase_table, write_jsonl
 
 DEFAULT_STRATEGIES = [
     "streamload",
@@ -167,6 +167,9 @@ def run(args: argparse.Namespace) -> int:
         k: v if isinstance(v, (bool, int, float, str, type(None))) else repr(v) for k, v in keywords.items()
     }
     strategies = args.strategies or (COLD_STRATEGIES if args.cold else DEFAULT_STRATEGIES)
+    if not args.cold and any(s.startswith("streamload") for s in strategies):
+        # The floor of a warm load, measured in the same run: ratios to it in the table.
+        strategies = [*strategies, *(f for f in FLOORS if f not in strategies)]
     rows: list[dict[str, Any]] = []  # one per strategy and rank count (medians)
     raw: list[dict[str, Any]] = []  # every run
     for world in args.ranks:
@@ -190,7 +193,7 @@ def run(args: argparse.Namespace) -> int:
                         f"{stream.seconds:.2f} s = {stream.gbps:.2f} GB/s",
                         flush=True,
                     )
-                verify = not args.no_verify and rep == 0
+                verify = not args.no_verify and rep == 0 and strategy not in FLOORS
                 r = run_strategy(
                     strategy, ckpt, world, dtype=args.dtype, verify=verify, cold=args.cold, **opts
                 )
@@ -214,6 +217,9 @@ def run(args: argparse.Namespace) -> int:
     write_jsonl(Path(args.out) / "results.jsonl", rows)  # one row per strategy and rank count
     write_jsonl(Path(args.out) / "runs.jsonl", raw)  # every run
     table = cold_table(rows, ["label"]) if args.cold else markdown_table(rows, ["label"])
+    phases = "" if args.cold else phase_table(rows)
+    if phases:
+        table += "\n\n" + phases
     (Path(args.out) / "table.md").write_text(table + "\n")
     with open(Path(args.out) / "timelines.json", "w") as f:
         json.dump(

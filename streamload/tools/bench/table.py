@@ -46,10 +46,68 @@ def median_of(runs: Sequence[dict[str, Any]]) -> dict[str, Any]:
         row[key] = values[n // 2] if n % 2 else (values[n // 2 - 1] + values[n // 2]) / 2
         row[key + "_spread"] = (values[0], values[-1])
     row["runs"] = len(ok)
+    row["phases"] = median_phases([r.get("phases") or {} for r in ok])
     # The correctness pass runs on the first repeat only: the verified runs decide.
     verified = [r for r in runs if r.get("correct") is not None]
     row["correct"] = all(r["correct"] for r in verified) if verified else None
     return row
+
+
+def median_phases(runs: Sequence[dict[str, float]]) -> dict[str, float]:
+    """The median of each phase over repeated runs (a phase a run lacks counts as 0 s there),
+    in the order the phases first appear.
+
+    Example:
+        >>> median_phases([{"open": 1.0}, {"open": 3.0}, {"open": 2.0, "stream": 1.0}])
+        {'open': 2.0, 'stream': 0.0}
+    """
+    names: list[str] = []
+    for phases in runs:
+        names.extend(k for k in phases if k not in names)
+    out = {}
+    for k in names:
+        values = sorted(p.get(k, 0.0) for p in runs)
+        n = len(values)
+        out[k] = values[n // 2] if n % 2 else (values[n // 2 - 1] + values[n // 2]) / 2
+    return out
+
+
+def phase_table(rows: Sequence[dict[str, Any]]) -> str:
+    """Where each strategy that reports phases (streamload's, the floors) spent rank 0's time:
+    one line per phase (median over the repeats), one column per strategy and rank count. Top-level
+    phases add up to the load (``LoadReport.phases``); dotted ones break their parent down and are
+    indented. The last line is the sum of the top-level phases.
+
+    Example:
+        >>> print(phase_table(rows))  # rows from median_of
+    """
+    cols = [d for d in rows if d.get("ok") and d.get("phases")]
+    if not cols:
+        return ""
+    names: list[str] = []
+    for d in cols:
+        names.extend(k for k in d["phases"] if k not in names)
+    # Each breakdown right under its parent.
+    top = [k for k in names if "." not in k]
+    ordered = [x for k in top for x in [k, *(n for n in names if n.startswith(k + "."))]]
+    ordered += [n for n in names if n not in ordered]
+    head = ["phase (rank 0, median s)", *(f"{d['strategy']} ({d['world']} ranks)" for d in cols)]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for k in ordered:
+        label = f"&nbsp;&nbsp;{k}" if "." in k else k
+        lines.append("| " + " | ".join([label, *(f"{d['phases'].get(k, 0.0):.3f}" for d in cols)]) + " |")
+    sums = [sum(v for k, v in d["phases"].items() if "." not in k) for d in cols]
+    lines.append("| " + " | ".join(["sum of phases", *(f"{v:.3f}" for v in sums)]) + " |")
+    return "\n".join(lines)
+
+
+def _vs_floors(rows: Sequence[dict[str, Any]], d: dict[str, Any], key: str, group_keys: Sequence[str]) -> str:
+    """``d[key]`` as a ratio to the floor's and floor_thp's in its group (``-`` where not measured)."""
+    out = []
+    for floor in ("floor", "floor_thp"):
+        base = baseline_row(rows, d, floor, group_keys)
+        out.append(f"{d[key] / base[key]:.2f}x" if base and base.get(key) else "-")
+    return " / ".join(out)
 
 
 def _timing(d: dict[str, Any], key: str) -> str:
@@ -85,6 +143,8 @@ def markdown_table(
         "overhead vs " + baseline,
         "correct",
         "tie held",
+        "load vs floor / floor_thp",
+        "first step vs floor / floor_thp",
     ]
 
     def cells(d: dict[str, Any]) -> list[str]:
@@ -106,6 +166,8 @@ def markdown_table(
             m_ratio,
             str(d["correct"]),
             str(d["tie_held"]),
+            _vs_floors(rows, d, "seconds", group_keys),
+            _vs_floors(rows, d, "first_step_seconds", group_keys),
         ]
 
     return render_table(head, rows, group_keys, cells)
