@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from .cold import cold_table, disk_bandwidth, median_rows
+from .remote import REMOTE_STRATEGIES, remote_strategy_names, run_remote
 from .runner import run_strategy
 from .save import run_save
 from .save_strategies import SAVE_STRATEGIES, SAVERS
@@ -97,7 +98,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gb", type=float, default=0.1, help="size of a generated checkpoint")
     p.add_argument("--experts", type=int, default=64, help="experts per layer of a generated MoE checkpoint")
     p.add_argument("--ranks", type=int, nargs="+", default=[2, 4])
-    p.add_argument("--strategies", nargs="+", default=None, choices=sorted(set(STRATEGIES) | set(SAVERS)))
+    p.add_argument(
+        "--strategies",
+        nargs="+",
+        default=None,
+        choices=sorted(set(STRATEGIES) | set(SAVERS) | set(remote_strategy_names())),
+    )
     p.add_argument(
         "--save",
         action="store_true",
@@ -111,6 +117,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "default: a temporary directory under --out)",
     )
     p.add_argument("--max-shard-size", default="5GB", help="with --save: every strategy's max_shard_size")
+    p.add_argument(
+        "--remote",
+        action="store_true",
+        help="load from S3 instead: the checkpoint is uploaded to a local S3 endpoint (moto) and every "
+        f"remote strategy ({', '.join(REMOTE_STRATEGIES)}) loads it, beside the endpoint's ceiling "
+        "(needs obstore, moto, s3fs and runai-model-streamer-s3)",
+    )
     p.add_argument(
         "--cold",
         action="store_true",
@@ -153,6 +166,8 @@ def run(args: argparse.Namespace) -> int:
         ckpt = str(path)
     if args.save:
         return run_save(args, ckpt, label)
+    if args.remote:
+        return run_remote(args, ckpt, label, load_options(args.options))
     unknown = [s for s in args.strategies or [] if s not in STRATEGIES]
     if unknown:
         raise SystemExit(f"unknown load strategies {unknown} (save strategies need --save)")
