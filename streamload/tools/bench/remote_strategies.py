@@ -47,20 +47,21 @@ class Part:
     dest: int
 
 
-def object_store(url: str, options: dict[str, Any]) -> tuple[Any, str]:
+def object_store(url: str, options: dict[str, Any]) -> tuple[Any, Any]:
     """The loader's obstore store for ``url``'s bucket (``make_store``: ``options`` are
-    ``storage_options``), and the key prefix of ``url`` (``""`` or ending in ``/``)."""
+    ``storage_options``), and ``url`` as the loader's ``RemotePath`` (bucket, prefix)."""
     from ...io.remote import as_remote, make_store
 
     remote = as_remote(url, options)
-    return make_store(remote), remote.prefix + "/" if remote.prefix else ""
+    return make_store(remote), remote
 
 
-def list_objects(store: Any, prefix: str, suffix: str = "") -> list[tuple[str, int]]:
-    """(key, size) of every object under ``prefix`` whose name ends with ``suffix``, sorted."""
+def list_objects(store: Any, remote: Any, suffix: str = "") -> list[tuple[str, int]]:
+    """(key, size) of every object under ``remote``'s prefix whose name ends with ``suffix``, sorted."""
     import obstore
 
-    found = [(o["path"], o["size"]) for batch in obstore.list(store, prefix=prefix or None) for o in batch]
+    prefix = remote.prefix + "/" if remote.prefix else None
+    found = [(o["path"], o["size"]) for batch in obstore.list(store, prefix=prefix) for o in batch]
     return sorted((k, n) for k, n in found if k.endswith(suffix))
 
 
@@ -159,8 +160,8 @@ def ceiling(ckpt: str, mesh: Any, dtype: torch.dtype, opts: dict[str, Any]) -> n
     """Each rank reads its 1/N share of the safetensors objects' bytes with obstore: ``RANGE_BYTES``
     ranged GETs, ``IN_FLIGHT`` at a time, copied into one preallocated buffer. No model: the
     endpoint's aggregate read rate across the ranks, which no load can beat."""
-    store, prefix = object_store(*_remote(opts))
-    parts = rank_share(list_objects(store, prefix, ".safetensors"), dist.get_rank(), dist.get_world_size())
+    store, remote = object_store(*_remote(opts))
+    parts = rank_share(list_objects(store, remote, ".safetensors"), dist.get_rank(), dist.get_world_size())
     buf, view = _buffer(parts)
     asyncio.run(_pump(parts, obstore_get(store), read_into(view), IN_FLIGHT))
     record(opts, bytes=sum(p.end - p.start for p in parts), requests=len(parts) + 1)
@@ -170,8 +171,8 @@ def ceiling(ckpt: str, mesh: Any, dtype: torch.dtype, opts: dict[str, Any]) -> n
 def read_once(url: str, options: dict[str, Any]) -> int:
     """Reads every object under ``url`` once and drops the bytes (``IN_FLIGHT`` ranged GETs): the
     endpoint warmed before the first timed run, as it is for every later one. Returns the bytes."""
-    store, prefix = object_store(url, options)
-    parts = whole_objects(list_objects(store, prefix))
+    store, remote = object_store(url, options)
+    parts = whole_objects(list_objects(store, remote))
     asyncio.run(_pump(parts, obstore_get(store), lambda part, data: None, IN_FLIGHT))
     return sum(p.end - p.start for p in parts)
 
@@ -192,9 +193,8 @@ def ceiling_s3fs(ckpt: str, mesh: Any, dtype: torch.dtype, opts: dict[str, Any])
     from s3fs import S3FileSystem
 
     url, options = _remote(opts)
-    bucket = url.removeprefix("s3://").split("/", 1)[0]
-    store, prefix = object_store(url, options)
-    parts = rank_share(list_objects(store, prefix, ".safetensors"), dist.get_rank(), dist.get_world_size())
+    store, remote = object_store(url, options)
+    parts = rank_share(list_objects(store, remote, ".safetensors"), dist.get_rank(), dist.get_world_size())
     buf, view = _buffer(parts)
 
     async def read() -> None:
@@ -202,7 +202,7 @@ def ceiling_s3fs(ckpt: str, mesh: Any, dtype: torch.dtype, opts: dict[str, Any])
         session = await fs.set_session()
 
         def fetch(part: Part) -> Awaitable[Any]:
-            return fs._cat_file(f"{bucket}/{part.path}", start=part.start, end=part.end)
+            return fs._cat_file(f"{remote.bucket}/{part.path}", start=part.start, end=part.end)
 
         try:
             await _pump(parts, fetch, read_into(view), IN_FLIGHT)
@@ -248,8 +248,9 @@ def download_then_load(ckpt: str, mesh: Any, dtype: torch.dtype, opts: dict[str,
     streamload's local ``from_pretrained`` (``readers="auto"``); the directory is removed after."""
     import streamload
 
-    store, prefix = object_store(*_remote(opts))
-    objects = list_objects(store, prefix)
+    store, remote = object_store(*_remote(opts))
+    objects = list_objects(store, remote)
+    prefix = remote.prefix + "/" if remote.prefix else ""
     local = tempfile.mkdtemp(prefix=f"streamload_remote_dl_r{dist.get_rank()}_")
     fds: dict[str, int] = {}
     try:
@@ -329,7 +330,7 @@ def _runai(every_rank: bool) -> Callable[[str, Any, torch.dtype, dict[str, Any]]
     The config files come with the streamer's own ``pull_files``, as vLLM gets them."""
 
     def load(ckpt: str, mesh: Any, dtype: torch.dtype, opts: dict[str, Any]) -> nn.Module:
-        from runai_model_streamer import SafetensorsStreamer, list_safetensors, pull_files
+        from runai_model_streamer import SafetensorsStreamer, pull_files
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
         os.environ.update({**opts["remote_env"], **RUNAI_ENV})
@@ -344,13 +345,16 @@ def _runai(every_rank: bool) -> Callable[[str, Any, torch.dtype, dict[str, Any]]
         streams = every_rank or dist.get_rank() == 0
         state: dict[str, torch.Tensor] = {}
         if streams:
-            files = sorted(list_safetensors(url))
+            # One LIST, as the streamer's own list_safetensors, with the sizes: what it fetches.
+            store, remote = object_store(url, opts["remote_options"])
+            objects = list_objects(store, remote, ".safetensors")
+            files = [f"{remote.scheme}://{remote.bucket}/{key}" for key, _ in objects]
+            fetched += sum(n for _, n in objects)
             hub: dict[str, torch.Tensor] = {}
             with SafetensorsStreamer() as streamer:
                 streamer.stream_files(files)
                 for name, t in streamer.get_tensors():
                     hub[name] = t if t.dtype == dtype else t.to(dtype)
-                fetched += streamer.total_size
             state = model_state(hub, model.state_dict().keys(), _tie_aliases(model))
             del hub
         set_model_state_dict(
