@@ -20,3 +20,24 @@ def case_phases(rank: int, world: int, ckpt: str, readers: str) -> dict[str, Any
     wall = time.perf_counter() - t0
     rep = model.streamload_report
     return {"wall": wall, "seconds": rep.seconds, "phases": dict(rep.phases), "top": top_level(rep.phases)}
+
+
+def case_residency_checks(rank: int, world: int, ckpt: str) -> int:
+    """How many page-cache residency checks (mincore over the files) this rank ran in one load."""
+    from streamload.io import cold
+
+    calls = []
+    measure = cold.residency
+
+    def counted(paths: Any) -> float:
+        calls.append(paths)
+        return measure(paths)
+
+    cold.residency = counted
+    try:
+        model = streamload.from_pretrained(ckpt, dtype=torch.float32, readers="auto", progress=False)
+    finally:
+        cold.residency = measure
+    assert model.streamload_report.reader.startswith("owners"), model.streamload_report.reader
+    assert model.streamload_report.read_mode == "mmap"
+    return len(calls)

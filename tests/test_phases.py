@@ -6,7 +6,7 @@ import time
 
 import pytest
 import torch
-from cases_phases import case_phases
+from cases_phases import case_phases, case_residency_checks
 from rank_group import RankGroup
 
 import streamload
@@ -97,3 +97,8 @@ def test_phases_add_up_on_every_rank(group: RankGroup, ckpt: str, readers: str) 
         if readers == "auto":
             assert "open_own" in r["top"] or r is res[0]  # ranks but the first open their own files
         _close_to_wall(r["top"], r["seconds"], r["wall"])
+
+
+def test_ranks_on_the_readers_host_reuse_its_residency_check(group: RankGroup, ckpt: str) -> None:
+    # The reader measured the files' page-cache residency; the others read the very same files.
+    assert group.run(case_residency_checks, ckpt=ckpt) == [1, 0]

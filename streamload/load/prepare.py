@@ -278,7 +278,7 @@ def prepare(
         if early is not None:
             raise early
         _check_and_materialize(
-            model, path, options, state, meta, choice, rank, group_rank, device, local, clock
+            model, path, options, state, meta, choice, rank, group_rank, src_group_rank, device, local, clock
         )
     except BaseException as exc:  # noqa: BLE001 - reported to every rank, then re-raised
         error = exc
@@ -435,6 +435,14 @@ def _src_plan(
     return build_served_plan(targets, dtypes, layouts, len(glob), place, bucket_bytes), [local.mine]
 
 
+def _on_readers_host(choice: ReaderChoice, group_rank: int, src_group_rank: int) -> bool:
+    """Whether this rank opens the very files the reader opened (auto proved their identity)
+    on the reader's own host, hence sees the same page cache."""
+    if choice.proof is None:
+        return False
+    return any(group_rank in ranks and src_group_rank in ranks for ranks in choice.nodes)
+
+
 def _check_and_materialize(
     model: nn.Module,
     path: Any,
@@ -444,6 +452,7 @@ def _check_and_materialize(
     choice: ReaderChoice,
     rank: int,
     group_rank: int,
+    src_group_rank: int,
     device: torch.device,
     local: _Local,
     clock: PhaseClock,
@@ -533,7 +542,16 @@ def _check_and_materialize(
             # Ranks of a node read at once: share its cores rather than oversubscribe them.
             on_node = next(len(ranks) for ranks in choice.nodes if group_rank in ranks)
             threads = max(1, worker_threads() // on_node)
-        local.source = as_source(path, options.read_mode, threads, options.drop_cache, options.direct_io)
+        read_mode = options.read_mode
+        if (
+            read_mode == "auto"
+            and meta.read_mode in ("mmap", "pread", "cold")
+            and _on_readers_host(choice, group_rank, src_group_rank)
+        ):
+            # The reader's very files (auto's choice rests on their identity), on its host: their
+            # page-cache residency is the one the reader just measured (mincore, ~0.02 s per GB).
+            read_mode = meta.read_mode
+        local.source = as_source(path, read_mode, threads, options.drop_cache, options.direct_io)
         # Not the files auto's choice rests on (replaced since the reader opened its own): the
         # ranks fall back to src after the next agreement, whatever this rank's files hold.
         local.replaced = not choice.proof_holds(local.source)

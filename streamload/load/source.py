@@ -13,6 +13,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..errors import CheckpointError, StreamloadError
+from ..io.checkpoint import Checkpoint
 from ..io.sources import STATE_DICT, Source, as_source
 from ..model.state import ModelState, fsdp_device, local_tensor
 from ..plan.convert import FALLBACK_PREFIX, Table
@@ -32,6 +33,9 @@ class SourceMeta:
     tie_conflicts: list[str] = field(default_factory=list)
     path: str | None = None  # the checkpoint as the reader names it
     extra: dict[str, Any] = field(default_factory=dict)  # e.g. config for from_pretrained
+    # How the reader reads its files ("mmap", "pread", "cold"; "" for other sources): on its host,
+    # ranks that read the very same files need not measure their page-cache residency again.
+    read_mode: str = ""
 
 
 @dataclass
@@ -198,6 +202,7 @@ def open_source(
                 tie_conflicts=compare_tied(ckpt, state),
                 path=str(getattr(ckpt, "path", path)),
                 extra=dict(extra() if callable(extra) else extra or {}),
+                read_mode=str(getattr(ckpt, "read_mode", "")) if isinstance(ckpt, Checkpoint) else "",
             )
         except BaseException as exc:  # noqa: BLE001 - every rank must hear of it
             local = exc
