@@ -69,7 +69,8 @@ def test_bench_remote_every_strategy(tmp_path: Path) -> None:
     for r in rows:
         assert r["ok"], (r["strategy"], r["error"])
         assert r["world"] == 2 and r["label"] == "tiny" and r["needed_bytes"] == needed
-        assert r["seconds"] > 0 and len(r["peak_rss"]) == 2 and len(r["peak_anon_per_rank"]) == 2
+        assert r["seconds"] > 0 and len(r["peak_anon_per_rank"]) == 2
+        assert len(r["peak_rss"]) == 2 and all(m > 0 for m in r["peak_rss"])
         assert all(b is not None for b in r["fetched_bytes"]), r
     by = {r["strategy"]: r for r in rows}
     for s in ("ceiling", "ceiling_s3fs"):

@@ -13,7 +13,8 @@ the bytes in 8 MiB ranged GETs, 16 in flight: ``ceiling`` with obstore (the load
 Per strategy the table gives the load and load + first step times (median, min-max), the model's
 bytes over that time (GB/s), the time against the obstore ceiling's, the bytes fetched by all ranks
 over the bytes of the safetensors objects (streamload: its LoadReport's ``remote_bytes``; the others:
-the sizes of what they read), each rank's peak RSS and peak anonymous memory, and bit-exactness.
+the sizes of what they read), each rank's peak RSS (``VmHWM`` at the end of its load) and peak
+anonymous memory over its baseline (sampled through the first step), and bit-exactness.
 """
 
 from __future__ import annotations
@@ -52,13 +53,13 @@ def remote_strategy_names() -> list[str]:
 
 
 def read_stats(stats_dir: str, world: int) -> dict[str, list[Any]]:
-    """Each rank's fetch figures (``remote_strategies.record``): bytes, requests, retries by rank;
-    None where a rank recorded none or its client does not count that figure."""
+    """Each rank's figures (``remote_strategies.record``): bytes, requests, retries and peak RSS at
+    the end of the load, by rank; None where a rank recorded none or its client does not count it."""
     per_rank = []
     for rank in range(world):
         path = Path(stats_dir) / f"{rank}.json"
         per_rank.append(json.loads(path.read_text()) if path.exists() else {})
-    return {k: [s.get(k) for s in per_rank] for k in ("bytes", "requests", "retries")}
+    return {k: [s.get(k) for s in per_rank] for k in ("bytes", "requests", "retries", "peak_rss")}
 
 
 def run_remote_strategy(
@@ -74,8 +75,8 @@ def run_remote_strategy(
         opts: keywords passed to streamload's ``from_pretrained``.
 
     Returns:
-        The RunResult as a dict, named ``strategy``, with ``fetched_bytes``, ``requests`` and
-        ``retries`` by rank.
+        The RunResult as a dict, named ``strategy``, with ``fetched_bytes``, ``requests``,
+        ``retries`` and ``peak_rss`` (each rank's VmHWM at the end of its load) by rank.
     """
     stats_dir = tempfile.mkdtemp(prefix="streamload_remote_stats_")
     try:
@@ -98,6 +99,7 @@ def run_remote_strategy(
         "fetched_bytes": stats["bytes"],
         "requests": stats["requests"],
         "retries": stats["retries"],
+        "peak_rss": stats["peak_rss"],  # VmHWM: the runner's ru_maxrss counts the parent's RSS
     }
 
 
@@ -108,8 +110,8 @@ def _total(values: Sequence[int | None] | None) -> int | None:
     return sum(int(v) for v in values if v is not None)
 
 
-def _per_rank(values: Sequence[int]) -> str:
-    return "/".join(f"{v / MiB:.0f}" for v in values) + " MiB"
+def _per_rank(values: Sequence[int | None]) -> str:
+    return "/".join("-" if v is None else f"{v / MiB:.0f}" for v in values) + " MiB"
 
 
 def remote_table(rows: Sequence[dict[str, Any]], group_keys: Sequence[str], baseline: str = "ceiling") -> str:
@@ -128,7 +130,7 @@ def remote_table(rows: Sequence[dict[str, Any]], group_keys: Sequence[str], base
         "fetched / needed",
         "requests",
         "retries",
-        "peak RSS per rank",
+        "peak RSS per rank (load)",
         "peak anon per rank",
         "bit-exact",
     ]

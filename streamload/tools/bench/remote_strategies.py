@@ -138,10 +138,20 @@ def _buffer(parts: Sequence[Part]) -> tuple[torch.Tensor, memoryview]:
     return buf, memoryview(buf.numpy()).cast("B")
 
 
+def peak_rss() -> int:
+    """This process's peak RSS in bytes (``VmHWM``). Not ``ru_maxrss``: a spawned rank's carries
+    its parent's RSS at the fork (Linux keeps it across exec), the S3 server's included."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError("VmHWM not in /proc/self/status")
+
+
 def record(opts: dict[str, Any], **stats: Any) -> None:
-    """This rank's fetch figures, for the bench to collect after the run."""
+    """This rank's fetch figures and its peak RSS so far, for the bench to collect after the run."""
     path = Path(opts["stats_dir"]) / f"{dist.get_rank()}.json"
-    path.write_text(json.dumps(stats))
+    path.write_text(json.dumps({**stats, "peak_rss": peak_rss()}))
 
 
 def _remote(opts: dict[str, Any]) -> tuple[str, dict[str, Any]]:
