@@ -32,6 +32,8 @@ from .runner import RunResult, run_strategy
 from .save import checkpoint_bytes
 from .table import MiB, _timing, baseline_row, median_of, render_table, write_jsonl
 
+# runai: rank 0 streams and broadcasts; every rank streaming (runai_every_rank, run when named)
+# fetches N times the bytes and measured slower (2 ranks, qwen2 and qwen3_moe checkpoints).
 REMOTE_STRATEGIES = [
     "ceiling",
     "ceiling_s3fs",
