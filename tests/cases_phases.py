@@ -41,3 +41,23 @@ def case_residency_checks(rank: int, world: int, ckpt: str) -> int:
     assert model.streamload_report.reader.startswith("owners"), model.streamload_report.reader
     assert model.streamload_report.read_mode == "mmap"
     return len(calls)
+
+
+def case_copy_threads(rank: int, world: int, ckpt: str) -> list[int | None]:
+    """The copy threads each source this rank read its shards from was opened with, in prepare."""
+    from streamload.load import prepare
+
+    threads: list[int | None] = []
+    open_source = prepare.as_source
+
+    def counted(path: Any, read_mode: str, n: int | None, *args: Any) -> Any:
+        threads.append(n)
+        return open_source(path, read_mode, n, *args)
+
+    prepare.as_source = counted
+    try:
+        model = streamload.from_pretrained(ckpt, dtype=torch.float32, readers="auto", progress=False)
+    finally:
+        prepare.as_source = open_source
+    assert model.streamload_report.reader.startswith("owners"), model.streamload_report.reader
+    return threads

@@ -6,11 +6,12 @@ import time
 
 import pytest
 import torch
-from cases_phases import case_phases, case_residency_checks
+from cases_phases import case_copy_threads, case_phases, case_residency_checks
 from rank_group import RankGroup
 
 import streamload
 from streamload.integrations.pretrained import meta_model
+from streamload.io.copy_ops import worker_threads
 from streamload.timeline import PhaseClock, top_level
 from streamload.tools.synthetic import make_checkpoint
 
@@ -102,3 +103,10 @@ def test_phases_add_up_on_every_rank(group: RankGroup, ckpt: str, readers: str) 
 def test_ranks_on_the_readers_host_reuse_its_residency_check(group: RankGroup, ckpt: str) -> None:
     # The reader measured the files' page-cache residency; the others read the very same files.
     assert group.run(case_residency_checks, ckpt=ckpt) == [1, 0]
+
+
+def test_ranks_of_a_node_copy_with_equal_shares_of_its_cores(group: RankGroup, ckpt: str) -> None:
+    # The reader opened its files with every core's threads before the choice; in owners mode it
+    # reopens them with its share, as the others open theirs: no rank is left behind on fewer.
+    share = max(1, worker_threads() // 2)
+    assert group.run(case_copy_threads, ckpt=ckpt) == [[share], [share]]

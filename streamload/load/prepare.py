@@ -443,6 +443,22 @@ def _on_readers_host(choice: ReaderChoice, group_rank: int, src_group_rank: int)
     return any(group_rank in ranks and src_group_rank in ranks for ranks in choice.nodes)
 
 
+def _reopen_with_share(
+    options: LoadOptions, choice: ReaderChoice, meta: SourceMeta, source: Source | None, group_rank: int
+) -> bool:
+    """Whether the reader, in ``owners`` mode with other ranks on its node, reopens its mapped
+    files with its node share of copy threads (it opened them with all before the choice)."""
+    if (
+        options.threads is not None
+        or choice.mode is not ReaderMode.OWNERS
+        or not isinstance(source, Checkpoint)
+    ):
+        return False
+    if meta.read_mode not in ("mmap", "pread"):
+        return False
+    return any(group_rank in ranks and len(ranks) > 1 for ranks in choice.nodes)
+
+
 def _check_and_materialize(
     model: nn.Module,
     path: Any,
@@ -536,6 +552,12 @@ def _check_and_materialize(
     clock.mark("layout")
     mode = choice.mode
     reads = mode is ReaderMode.OWNERS or (mode is ReaderMode.NODE and group_rank in choice.node_readers)
+    held = None
+    if reads and _reopen_with_share(options, choice, meta, local.source, group_rank):
+        # The reader opened its files before the choice, with every core's worth of copy threads;
+        # its node's other ranks copy at once with their share: it takes its share too, so that
+        # no rank ends last on fewer threads while the reader's ran ahead on more.
+        held, local.source = local.source, None
     if reads and local.source is None:
         threads = options.threads
         if threads is None and mode is ReaderMode.OWNERS and choice.nodes:
@@ -555,6 +577,8 @@ def _check_and_materialize(
         # Not the files auto's choice rests on (replaced since the reader opened its own): the
         # ranks fall back to src after the next agreement, whatever this rank's files hold.
         local.replaced = not choice.proof_holds(local.source)
-        if not local.replaced:
+        if local.replaced and held is not None:
+            local.source = held  # the reader reads the files its choice rests on, whatever happens
+        elif not local.replaced:
             check_same_table(local.source, meta.table)
         clock.mark("open_own")  # this rank's own files: residency check (mincore), headers
