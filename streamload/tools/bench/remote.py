@@ -175,6 +175,11 @@ def run_remote(args: argparse.Namespace, ckpt: str, label: str, opts: dict[str, 
     unknown = [s for s in strategies if s not in names]
     if unknown:
         raise SystemExit(f"--remote: unknown strategies {unknown}; one of {names}")
+    try:
+        import moto  # noqa: F401 - LocalS3's server, imported only when it starts
+        import obstore  # noqa: F401
+    except ImportError as exc:
+        raise SystemExit(f"--remote needs moto[server] and obstore ({exc})") from exc
     from .remote_strategies import read_once
     from .s3 import LocalS3
 

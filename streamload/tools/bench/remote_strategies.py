@@ -135,7 +135,7 @@ def _buffer(parts: Sequence[Part]) -> tuple[torch.Tensor, memoryview]:
     """A preallocated byte buffer the parts land in (untouched until they do)."""
     size = max((p.dest + p.end - p.start for p in parts), default=0)
     buf = torch.empty(size, dtype=torch.uint8)
-    return buf, memoryview(buf.numpy()).cast("B")
+    return buf, memoryview(typing.cast(Any, buf.numpy())).cast("B")
 
 
 def peak_rss() -> int:
@@ -353,7 +353,7 @@ def _runai(every_rank: bool) -> Callable[[str, Any, torch.dtype, dict[str, Any]]
         finally:
             shutil.rmtree(configs, ignore_errors=True)
         streams = every_rank or dist.get_rank() == 0
-        state: dict[str, torch.Tensor] = {}
+        state: dict[str, Any] = {}
         if streams:
             # One LIST, as the streamer's own list_safetensors, with the sizes: what it fetches.
             store, remote = object_store(url, opts["remote_options"])
