@@ -164,8 +164,24 @@ def as_remote(path: Any, storage_options: Mapping[str, Any] | None = None) -> An
     return path
 
 
+_STORES: dict[tuple, Any] = {}  # one client per bucket and settings in a process: connections are kept
+_STORES_LOCK = threading.Lock()
+
+
 def make_store(remote: RemotePath) -> Any:
-    """An obstore store for ``remote``'s bucket, obstore's own retries off (ours count them)."""
+    """An obstore store for ``remote``'s bucket, obstore's own retries off (ours count them).
+
+    One per process for the same bucket, options and credential environment: the config, the
+    identity check and the checkpoint reuse its connections (a fork child makes its own)."""
+    env = tuple(sorted((k, v) for k, v in os.environ.items() if k.startswith(("AWS_", "GOOGLE_", "AZURE_"))))
+    key = (os.getpid(), remote.scheme, remote.bucket, remote.options, env)
+    with _STORES_LOCK:
+        if key not in _STORES:
+            _STORES[key] = _new_store(remote)
+        return _STORES[key]
+
+
+def _new_store(remote: RemotePath) -> Any:
     try:
         from obstore.store import from_url
     except ImportError as exc:

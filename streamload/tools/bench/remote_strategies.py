@@ -401,15 +401,16 @@ def _with_warmup(
 
 
 # By name, as ``strategy_fn("streamload.tools.bench.remote_strategies:<name>")`` finds them.
-streamload_src = _with_warmup(_streamload("src"), "streamload")
-streamload_owners = _with_warmup(_streamload("owners"), "streamload")
-runai = _with_warmup(_runai(every_rank=False), "runai_model_streamer", "torch.distributed.checkpoint")
-runai_every_rank = _with_warmup(
-    _runai(every_rank=True), "runai_model_streamer", "torch.distributed.checkpoint"
-)
+# Every strategy that builds the model imports accelerate (init_empty_weights) and transformers:
+# warmed for all alike, as the object store clients are.
+_MODEL = ("transformers", "accelerate", "torch.distributed.checkpoint")
+streamload_src = _with_warmup(_streamload("src"), "streamload", "obstore", *_MODEL)
+streamload_owners = _with_warmup(_streamload("owners"), "streamload", "obstore", *_MODEL)
+runai = _with_warmup(_runai(every_rank=False), "runai_model_streamer", *_MODEL)
+runai_every_rank = _with_warmup(_runai(every_rank=True), "runai_model_streamer", *_MODEL)
 _with_warmup(ceiling, "obstore")
 _with_warmup(ceiling_s3fs, "obstore", "s3fs")
-_with_warmup(download_then_load, "obstore", "streamload")
+_with_warmup(download_then_load, "obstore", "streamload", *_MODEL)
 
 REMOTE_LOADERS = (
     "ceiling",
