@@ -54,7 +54,9 @@ class LoadReport:
             ``plan``, ``map`` (mapped views, fallback sources), ``strategy_open``, ``agree_plan``,
             ``stream`` (the copy), ``close``, ``ties``, ``agree_final``, ``finalize``. Dotted ones
             break a phase down: ``open.files``, ``open.config``, ``open.broadcast``, and the
-            stream's steps ("stream.pack", "stream.cold_wait", "stream.cold_copy",
+            stream's steps ("stream.setup" (packer, transport, staging), "stream.agree_buffers" and
+            "stream.agree_end" (the stream's first and last agreements), "stream.pack",
+            "stream.cold_wait", "stream.cold_copy",
             "stream.cold_read" (read time summed over the read lanes), "stream.scatter_wait",
             "stream.unpack", "stream.status"; see ``streamload.timeline``).
     """

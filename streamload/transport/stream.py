@@ -132,23 +132,25 @@ def read_owned(
     stager: Stager | None = None
     allocation: BaseException | None = None
     packer: Packer | None = None
+    tl = current()
     try:
-        packer = Packer(source, plan, locals_, shards.fallbacks, shards.skip, shards.quant)
-        bar = _progress_bar(sum(s.nbytes for b in plan.buckets for s in b.segments[row]), shards.progress)
-        if plan.buckets:
-            # Shards on the CPU (FSDP2 offload too) are filled in place: nothing stages there.
-            on_cpu = all(t.device.type == "cpu" for t in locals_)
-            at = torch.device("cpu") if on_cpu else device
-            stager = open_stager(at, max(shards.slots, 2), plan.max_rank_bucket_bytes(row))
+        with tl.span("setup"):
+            packer = Packer(source, plan, locals_, shards.fallbacks, shards.skip, shards.quant)
+            bar = _progress_bar(sum(s.nbytes for b in plan.buckets for s in b.segments[row]), shards.progress)
+            if plan.buckets:
+                # Shards on the CPU (FSDP2 offload too) are filled in place: nothing stages there.
+                on_cpu = all(t.device.type == "cpu" for t in locals_)
+                at = torch.device("cpu") if on_cpu else device
+                stager = open_stager(at, max(shards.slots, 2), plan.max_rank_bucket_bytes(row))
     except BaseException as exc:  # noqa: BLE001 - every rank must hear of it
         allocation = exc
-    _agree_on_buffers(check, allocation, [stager], me, group, device)
+    with tl.span("agree_buffers"):
+        _agree_on_buffers(check, allocation, [stager], me, group, device)
     assert packer is not None
     if stager is None:
         plan.set_direct(row)
     failure: BaseException | None = None
     previous = None
-    tl = current()
     try:
         for k, bucket in enumerate(plan.buckets):
             tl.bucket = k
@@ -178,11 +180,12 @@ def read_owned(
         failed = check.result(previous) if previous is not None else False
         if not failed:
             # The device's queued copies may fail too: waited for before the last agreement.
-            try:
-                settle(device)
-            except BaseException as exc:  # noqa: BLE001 - reported to every rank below
-                failure = exc
-            failed = check.any_failed(failure is not None)
+            with tl.span("agree_end"):
+                try:
+                    settle(device)
+                except BaseException as exc:  # noqa: BLE001 - reported to every rank below
+                    failure = exc
+                failed = check.any_failed(failure is not None)
         if failed:
             gather_or_raise(None, failure, me, group, device)
             raise RuntimeError("unreachable: a failure was signalled but none was gathered")
@@ -228,28 +231,31 @@ def _stream(
     depth = max(1, min(slots, len(plan.buckets))) if packer is not None else 1
     recv_ring: list[torch.Tensor] = []
     allocation: BaseException | None = setup
+    tl = current()
     try:
-        transport = Transport(group, src_rank, device, rows if packer is not None else None)
-        if packer is not None and plan.buckets:
-            stager = open_stager(device, depth, plan.max_bucket_bytes)
-            if stager is None:
-                # Bucket k+1's reads may land in its slot while bucket k is packed and buckets
-                # k-depth+1..k-1 are in flight: then the ring holds one slot more than that.
-                ahead = packer.lands_ahead and len(plan.buckets) > depth
-                ring = StagingRing(depth + 1 if ahead else depth, plan.max_bucket_bytes)
-            packer.bytes_read = 0
-        recv_ring = [
-            torch.empty(recv_len, dtype=torch.uint8, device=device) for _ in range(depth if recv_len else 1)
-        ]
-        bar = _progress_bar(plan.payload_bytes, progress) if packer is not None else None
+        with tl.span("setup"):
+            transport = Transport(group, src_rank, device, rows if packer is not None else None)
+            if packer is not None and plan.buckets:
+                stager = open_stager(device, depth, plan.max_bucket_bytes)
+                if stager is None:
+                    # Bucket k+1's reads may land in its slot while bucket k is packed and buckets
+                    # k-depth+1..k-1 are in flight: then the ring holds one slot more than that.
+                    ahead = packer.lands_ahead and len(plan.buckets) > depth
+                    ring = StagingRing(depth + 1 if ahead else depth, plan.max_bucket_bytes)
+                packer.bytes_read = 0
+            recv_ring = [
+                torch.empty(recv_len, dtype=torch.uint8, device=device)
+                for _ in range(depth if recv_len else 1)
+            ]
+            bar = _progress_bar(plan.payload_bytes, progress) if packer is not None else None
     except BaseException as exc:  # noqa: BLE001 - every rank must hear of it
         allocation = exc
     me = dist.get_rank() if group is not None else 0  # errors name global ranks, as prepare's do
-    _agree_on_buffers(check, allocation, [stager], me, group, device)
+    with tl.span("agree_buffers"):
+        _agree_on_buffers(check, allocation, [stager], me, group, device)
     assert transport is not None
     inflight: deque[tuple[int, torch.Tensor, Any]] = deque()
     failure: BaseException | None = None
-    tl = current()
 
     def finish(unpack_it: bool = True) -> None:
         k, recv, handle = inflight.popleft()
