@@ -328,7 +328,8 @@ def _floor(huge: bool) -> Callable[[str, Any, torch.dtype, dict[str, Any]], nn.M
         t3 = time.perf_counter()
         model = nn.Module()
         model.shards = nn.Parameter(buf, requires_grad=False)
-        model.streamload_report = FloorReport(total, {"ranges": t1 - t0, "alloc": t2 - t1, "copy": t3 - t2})
+        phases = {"ranges": t1 - t0, "alloc": t2 - t1, "copy": t3 - t2}
+        model.streamload_report = FloorReport(total, phases)  # type: ignore[assignment]
         return model
 
     return load
