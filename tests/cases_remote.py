@@ -137,3 +137,34 @@ def case_remote_load_checkpoint(
     bad = compare_model(model, reference(local, None))
     assert not bad, f"differ from transformers: {bad}"
     return report.to_dict()
+
+
+def case_other_version_on_open(
+    rank: int, world: int, *, url: str, local: str, readers: str, storage_options: dict[str, Any]
+) -> dict | None:
+    """Ranks other than the reader find other versions of the objects when they open them for
+    their own reads (a new upload between the reader's open and theirs, simulated by the ETag
+    their open sees): they must not read them; the reader alone reads the versions its table
+    describes, and the load is bit-exact."""
+    import dataclasses
+
+    from streamload.io import remote
+
+    real = remote._open_file
+    if rank != 0:
+
+        async def newer(*args: Any, **kw: Any) -> Any:
+            return dataclasses.replace(await real(*args, **kw), etag='"a-newer-upload"')
+
+        remote._open_file = newer  # type: ignore[assignment]
+    try:
+        model = streamload.from_pretrained(
+            url, device_mesh=mesh_for(world), progress=False, readers=readers, storage_options=storage_options,
+            node=str(rank),  # each rank its own node: in node mode too, every rank opens the objects
+        )  # fmt: skip
+    finally:
+        remote._open_file = real  # type: ignore[assignment]
+    bad = compare_model(model, reference(local, None))
+    assert not bad, f"differ from transformers: {bad}"
+    rep = model.streamload_report
+    return {"reader": rep.reader, "remote_bytes": rep.remote_bytes}

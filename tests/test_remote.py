@@ -22,6 +22,7 @@ from streamload.io.remote import (
     _retryable,
     as_remote,
     is_remote,
+    make_store,
     plan_requests,
 )
 
@@ -48,6 +49,12 @@ def test_urls() -> None:
     assert as_remote("/local") == "/local"
     with pytest.raises(ValueError, match="retries"):
         as_remote("s3://b/p", {"retries": "many"}).setting("retries", 8)
+    # Never raises (every rank calls it before the first agreement): a bad value fails at the store.
+    for bad in (["not", "a", "mapping"], 3, {1: object()}, {"default_headers": {"a": "b"}}):
+        r = as_remote("s3://b/p", bad)  # type: ignore[arg-type]
+        assert isinstance(r, RemotePath)
+    with pytest.raises(ValueError, match="storage_options must be a mapping"):
+        make_store(as_remote("s3://b/p", 3))  # type: ignore[arg-type]
 
 
 def test_plan_requests_cover_every_span_once() -> None:
@@ -118,12 +125,13 @@ def test_table_and_reads_equal_the_local_checkpoint(s3: LocalS3, tmp_path: Path)
         assert torch.equal(remote.read(name), local.read(name))
         assert torch.equal(remote.read_bytes(name), local.read_bytes(name))
     assert torch.equal(remote.read_region("a", [(3, 9), (5, 40)]), local.read_region("a", [(3, 9), (5, 40)]))
-    remote.check_unchanged()
+    remote.files[0].head_unchanged()
     s3.put(BUCKET, "plain/model.safetensors", (tmp_path / "model.safetensors").read_bytes() + b" ")
     with pytest.raises(CheckpointFileError, match="changed during the load"):
-        remote.check_unchanged()
+        remote.files[0].head_unchanged()
+    remote.check_unchanged()  # asks nothing: the requests themselves name the ETag
     with pytest.raises(CheckpointFileError, match="changed during the load"):
-        remote.read("a")
+        remote.read("a")  # If-Match: 412
 
 
 def _upload_bytes(s3: LocalS3, prefix: str, data: bytes) -> str:

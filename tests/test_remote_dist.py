@@ -273,6 +273,22 @@ def test_object_replaced_mid_load(group: RankGroup, s3: LocalS3, ckpts, readers:
     _all_failed(res, WORLD, "changed during the load")
 
 
+@pytest.mark.parametrize("readers", ["owners", "node", "auto"])
+def test_other_versions_at_open_fall_back_to_the_reader(
+    group: RankGroup, s3: LocalS3, ckpts, readers: str
+) -> None:
+    local, url = ckpts["dense_tied"]
+    res = group.run(
+        cases.case_other_version_on_open,
+        url=url,
+        local=local,
+        readers=readers,
+        storage_options=s3.storage_options,
+    )
+    assert all(r["reader"].startswith("src") for r in res), [r["reader"] for r in res]
+    assert all(r["remote_bytes"] > 0 for r in res[:1])
+
+
 def test_unreachable_endpoint_fails_fast(group: RankGroup, s3: LocalS3, ckpts) -> None:
     _, url = ckpts["dense_tied"]
     opts = {**s3.storage_options, "endpoint": "http://127.0.0.1:9", "retries": "1", "connect_timeout": "1s"}

@@ -31,6 +31,7 @@ import json
 import os
 import random
 import re
+import sys
 import threading
 import time
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
@@ -49,13 +50,14 @@ T = TypeVar("T")
 
 SCHEMES = ("s3", "s3a", "gs", "az", "azure", "abfs", "abfss")
 INDEX_NAME = "model.safetensors.index.json"
+MAX_HEADER_BYTES = 100_000_000  # as the native parser's limit (csrc/header.h kMaxHeaderBytes)
 HEAD_BYTES = 16 << 10  # first GET of a file: its length prefix and most headers (the rest: a second GET)
 PIECE_BYTES = 8 << 20  # bytes per request at most
 GAP_BYTES = 8 << 10  # spans closer than this share a request (the gap is fetched too, and may be another
 # bucket's bytes: kept small, it costs at most this much per span)
 # Columns of a dequantizing op row (``OpBatch.add_dequant``): weight and scale
 # (file, offset, bytes, dtype), the logical dims, and the box's (start, size) per dim.
-_DQ_WEIGHT, _DQ_SCALE, _DQ_DIMS, _DQ_BOX = 1, 5, 12, 17
+_DQ_WEIGHT, _DQ_SCALE, _DQ_DIMS, _DQ_BLOCK, _DQ_BOX = 1, 5, 12, 15, 17
 DEFAULT_RETRIES = 8
 DEFAULT_CONCURRENCY = 16
 BACKOFF_S = (0.05, 4.0)  # first and largest backoff
@@ -154,14 +156,21 @@ class RemotePath:
             raise ValueError(f"storage_options[{name!r}] must be an integer, not {value!r}") from None
 
 
+_INVALID = "\x00invalid"  # the key under which storage_options that are no mapping travel
+
+
 def as_remote(path: Any, storage_options: Mapping[str, Any] | None = None) -> Any:
     """``path`` as a ``RemotePath`` when it is an object store URL (with ``storage_options``);
-    anything else as it is (``storage_options`` must then be None: it names no store)."""
-    if isinstance(path, RemotePath):
+    anything else as it is. Never raises, whatever it is given (every rank calls it before the
+    first agreement): storage_options that are no mapping fail where the store is opened, inside
+    the load's agreement, on every rank."""
+    if isinstance(path, RemotePath) or not is_remote(path):
         return path
-    if is_remote(path):
-        return RemotePath(str(path), tuple(sorted((storage_options or {}).items())))
-    return path
+    try:
+        options = tuple(sorted((str(k), v) for k, v in dict(storage_options or {}).items()))
+    except (TypeError, ValueError):
+        options = ((_INVALID, repr(storage_options)),)
+    return RemotePath(str(path), options)
 
 
 _STORES: dict[tuple, Any] = {}  # one client per bucket and settings in a process: connections are kept
@@ -174,7 +183,7 @@ def make_store(remote: RemotePath) -> Any:
     One per process for the same bucket, options and credential environment: the config, the
     identity check and the checkpoint reuse its connections (a fork child makes its own)."""
     env = tuple(sorted((k, v) for k, v in os.environ.items() if k.startswith(("AWS_", "GOOGLE_", "AZURE_"))))
-    key = (os.getpid(), remote.scheme, remote.bucket, remote.options, env)
+    key = (os.getpid(), remote.scheme, remote.bucket, repr(remote.options), env)
     with _STORES_LOCK:
         if key not in _STORES:
             _STORES[key] = _new_store(remote)
@@ -187,6 +196,8 @@ def _new_store(remote: RemotePath) -> Any:
     except ImportError as exc:
         raise ImportError(f"reading {remote.url} needs obstore: pip install 'streamload[remote]'") from exc
     opts = dict(remote.options)
+    if _INVALID in opts:
+        raise ValueError(f"storage_options must be a mapping of option names to values, not {opts[_INVALID]}")
     client = {k: v for k, v in opts.items() if k in CLIENT_KEYS}
     client.setdefault("timeout", "30s")
     client.setdefault("connect_timeout", "10s")
@@ -223,7 +234,7 @@ def _retryable(exc: BaseException) -> bool:
     m = _STATUS.search(str(exc))
     if m:
         code = int(m.group(1))
-        return code >= 500 or code in (408, 429)
+        return (code >= 500 and code not in (501, 505)) or code in (408, 429)
     return True  # connection reset, timeout, body cut short: the transport's, worth another try
 
 
@@ -306,8 +317,26 @@ class Fetcher:
             self._loop = None
 
     def run(self, coro: Awaitable[T]) -> T:
-        """Runs ``coro`` on the loop thread and waits for it."""
-        return asyncio.run_coroutine_threadsafe(coro, self._running_loop()).result()  # type: ignore[arg-type]
+        """Runs ``coro`` on the loop thread and waits for it. Interrupted (KeyboardInterrupt, ...),
+        it cancels the coroutine and waits until it has stopped: no request may still copy into
+        memory its caller is about to free."""
+        started, finished = threading.Event(), threading.Event()
+
+        async def guarded() -> T:
+            started.set()
+            try:
+                return await coro
+            finally:
+                finished.set()
+
+        future = asyncio.run_coroutine_threadsafe(guarded(), self._running_loop())
+        try:
+            return future.result()
+        except BaseException:
+            future.cancel()
+            # A coroutine cancelled before it started never runs: then there is nothing to wait for.
+            finished.wait(timeout=120 if started.is_set() else 1)
+            raise
 
     def _semaphore(self) -> asyncio.Semaphore:
         if self._limit is None:  # made on the loop thread (bound to its loop)
@@ -461,16 +490,24 @@ class RemoteReader:
         """As ``ColdReader.read``: rows (file offset, bytes, destination, room) of int64."""
         n = ranges_nbytes // 32
         rows = np.ctypeslib.as_array((ctypes.c_int64 * (4 * n)).from_address(ranges_ptr)).reshape(n, 4)
-        key, etag = self.keys[path]
-        requests = plan_requests(rows)
+        return self.read_many({path: rows})
+
+    def read_many(self, spans: Mapping[str, np.ndarray]) -> dict[str, Any]:
+        """Fetches the spans of several files at once (rows as ``read``'s), every request of
+        every file in flight together (up to the fetcher's ``concurrency``)."""
         before = (self.fetcher.stats.bytes, self.fetcher.stats.requests, self.fetcher.stats.retries)
         t0 = time.perf_counter()
 
-        async def one(start: int, end: int, targets: list[tuple[int, int, int]]) -> None:
+        async def one(key: str, etag: str, start: int, end: int, targets: list[tuple[int, int, int]]) -> None:
             buf = await self.fetcher.get(key, start, end, etag)
             _copy_out(buf, targets, start)
 
-        self.fetcher.run(self.fetcher.gather(one(*r) for r in requests))
+        work = [
+            one(*self.keys[path], start, end, targets)
+            for path, rows in spans.items()
+            for start, end, targets in plan_requests(np.asarray(rows, dtype=np.int64).reshape(-1, 4))
+        ]
+        self.fetcher.run(self.fetcher.gather(work))
         s = self.fetcher.stats
         return {
             "seconds": time.perf_counter() - t0,
@@ -482,6 +519,17 @@ class RemoteReader:
             "remote_requests": s.requests - before[1],
             "remote_retries": s.retries - before[2],
         }
+
+
+def _union(ranges: Iterable[tuple[int, int]]) -> list[tuple[int, int]]:
+    """Sorted, merged [start, end) ranges."""
+    out: list[tuple[int, int]] = []
+    for a, b in sorted(ranges):
+        if out and a <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], b))
+        else:
+            out.append((a, b))
+    return out
 
 
 @dataclass
@@ -509,6 +557,12 @@ class RemoteFile:
         )
 
     def check_unchanged(self) -> None:
+        """Nothing to ask: every GET of this object carries ``If-Match`` with the ETag its table
+        was read from, so a replaced object already failed the request that would have read it
+        (the stream calls this once per bucket: a HEAD per file per bucket would flood the store)."""
+
+    def head_unchanged(self) -> None:
+        """Asks the store now (one HEAD): RemoteObjectChangedError if the object was replaced."""
         size, etag = self.fetcher.run(self.fetcher.head(self.key))
         if (size, etag) != (self.file_size, self.etag):
             raise RemoteObjectChangedError(
@@ -532,10 +586,20 @@ async def _open_file(fetcher: Fetcher, remote: RemotePath, name: str) -> RemoteF
     key = remote.file_key(name)
     url = f"{remote.scheme}://{remote.bucket}/{key}"
     size, etag = await fetcher.head(key)
+    if not etag:
+        raise RemoteError(
+            "the store gives the object no ETag: streamload cannot make sure every request reads "
+            "the same version of it",
+            url,
+        )
     if size < 8:
         raise CheckpointFileError(f"object of {size} bytes is too short for a safetensors header", url)
     head = bytes(await fetcher.get(key, 0, min(size, HEAD_BYTES), etag))
     need = 8 + int.from_bytes(head[:8], "little")
+    if need > MAX_HEADER_BYTES + 8:
+        raise CheckpointFileError(
+            f"header length {need - 8} is over the {MAX_HEADER_BYTES} bytes allowed", url
+        )
     if need > len(head) and need <= size:
         head += bytes(await fetcher.get(key, len(head), need, etag))
     try:
@@ -663,47 +727,65 @@ class RemoteEngine(ColdEngine):
         raise CheckpointError("objects in a store are never mapped: there is nothing to prefetch")
 
     def dequantize(self, rows: np.ndarray) -> int:
-        """Runs dequantizing ops (``OpBatch.add_dequant`` rows) whose sources are in the store:
-        each op's scales whole and, of its weight, only the rows its box covers are fetched into
-        memory the size of the tensor (pages never written are never backed), then the native
-        kernel runs from memory. Returns the source bytes fetched."""
-        rows = rows.copy()
-        spans: dict[int, list[tuple[int, int, int]]] = {}  # file -> (absolute offset, bytes, address)
-        held: dict[tuple[int, int], np.ndarray] = {}  # (file, offset) -> its tensor's memory
-        total = 0
+        """Runs dequantizing ops (``OpBatch.add_dequant`` rows) whose sources are in the store.
 
-        def memory(f: int, off: int, nbytes: int) -> np.ndarray:
-            if (f, off) not in held:
-                held[(f, off)] = np.empty(max(nbytes, 1), dtype=np.uint8)
-            return held[(f, off)]
-
+        Of each quantized tensor, only the rows the ops' boxes cover are fetched (weight rows,
+        and the scale rows of their blocks; a scale whose layout is not the plain block grid is
+        fetched whole), each byte once however many ops share it, every file's requests in
+        flight together, into memory the size of the tensor (pages never written are never
+        backed); then the native kernel runs from memory. Returns the source bytes fetched."""
+        self._lanes_after_fork()
+        want: dict[tuple[int, int], tuple[int, list[tuple[int, int]]]] = {}  # (file, offset) -> bytes, ranges
         for row in rows:
-            f, off, nbytes = (int(v) for v in row[_DQ_SCALE : _DQ_SCALE + 3])
-            if f >= 0:
-                buf = memory(f, off, nbytes)
-                spans.setdefault(f, []).append((int(self.data_starts[f]) + off, nbytes, buf.ctypes.data))
-                row[_DQ_SCALE : _DQ_SCALE + 2] = (-1, buf.ctypes.data)
-                total += nbytes
-            f, off, nbytes = (int(v) for v in row[_DQ_WEIGHT : _DQ_WEIGHT + 3])
-            if f < 0:
-                continue
-            batch, nrows, _ = (int(v) for v in row[_DQ_DIMS : _DQ_DIMS + 3])
-            (b0, nb), (r0, nr) = row[_DQ_BOX : _DQ_BOX + 2], row[_DQ_BOX + 2 : _DQ_BOX + 4]
-            row_bytes = nbytes // max(1, batch * nrows)
-            buf = memory(f, off, nbytes)
-            base = int(self.data_starts[f]) + off
-            for b in range(int(b0), int(b0 + nb)):
-                at = (b * nrows + int(r0)) * row_bytes
-                spans.setdefault(f, []).append((base + at, int(nr) * row_bytes, buf.ctypes.data + at))
-                total += int(nr) * row_bytes
-            row[_DQ_WEIGHT : _DQ_WEIGHT + 2] = (-1, buf.ctypes.data)
-        for f, items in spans.items():
-            arr = np.ascontiguousarray(np.array([[o, n, a, n] for o, n, a in items], dtype=np.int64))
-            reader = self._lanes.get()
-            try:
-                reader.read(self.paths[f], arr.ctypes.data, arr.nbytes)
-            finally:
-                self._lanes.put(reader)
+            batch, nrows, ncols = (int(v) for v in row[_DQ_DIMS : _DQ_DIMS + 3])
+            br, bc = (max(1, int(v)) for v in row[_DQ_BLOCK : _DQ_BLOCK + 2])
+            (b0, nb), (r0, nr) = (
+                (int(v) for v in row[_DQ_BOX : _DQ_BOX + 2]),
+                (int(v) for v in row[_DQ_BOX + 2 : _DQ_BOX + 4]),
+            )
+            srows = -(-nrows // br)
+            parts = (
+                # (column, rows per batch, first row, rows, bytes per row when the layout is known)
+                (_DQ_WEIGHT, nrows, r0, nr, None),
+                (_DQ_SCALE, srows, r0 // br, (r0 + nr - 1) // br - r0 // br + 1, srows * -(-ncols // bc)),
+            )
+            for col, per_batch, first, count, grid in parts:
+                f, off, nbytes, code = (int(v) for v in row[col : col + 4])
+                if f < 0 or nr <= 0 or nb <= 0:
+                    continue
+                unit = nbytes // max(1, batch * per_batch)
+                known = unit * batch * per_batch == nbytes
+                if grid is not None:  # a scale: its element count must be the block grid's
+                    known &= nbytes == batch * grid * int(self._itemsize[code]) and self._itemsize[code] > 0
+                ranges = (
+                    [
+                        ((b * per_batch + first) * unit, (b * per_batch + first + count) * unit)
+                        for b in range(b0, b0 + nb)
+                    ]
+                    if known
+                    else [(0, nbytes)]
+                )
+                want.setdefault((f, off), (nbytes, []))[1].extend(ranges)
+        held = {k: np.empty(max(n, 1), dtype=np.uint8) for k, (n, _) in want.items()}
+        spans: dict[str, list[tuple[int, int, int, int]]] = {}
+        total = 0
+        for (f, off), (_, ranges) in want.items():
+            base = held[(f, off)].ctypes.data
+            for a, b in _union(ranges):
+                spans.setdefault(self.paths[f], []).append(
+                    (int(self.data_starts[f]) + off + a, b - a, base + a, b - a)
+                )
+                total += b - a
+        rows = rows.copy()
+        for row in rows:
+            for col in (_DQ_WEIGHT, _DQ_SCALE):
+                if row[col] >= 0:
+                    row[col : col + 2] = (-1, held[(int(row[col]), int(row[col + 1]))].ctypes.data)
+        reader = self._lanes.get()
+        try:
+            reader.read_many({p: np.array(v, dtype=np.int64) for p, v in spans.items()})
+        finally:
+            self._lanes.put(reader)
         rows = np.ascontiguousarray(rows)
         _native.dequantize(self.engine, [], rows.ctypes.data, rows.nbytes)
         held.clear()  # the fetched tensors go as soon as the kernel ran
@@ -737,7 +819,7 @@ class RemoteCheckpoint(Checkpoint):
 
     def __del__(self) -> None:
         fetcher = getattr(self, "fetcher", None)
-        if fetcher is not None:
+        if fetcher is not None and not sys.is_finalizing():
             fetcher.close()  # its event loop thread goes with the checkpoint
 
     @property

@@ -54,7 +54,7 @@ from ..plan.mapping import plan_mapping
 from ..plan.quant import QuantTensor, check_kept, quantized_view, scheme_from_config
 from ..timeline import PhaseClock
 from ..transport.protocol import gather_or_raise
-from ..transport.readers import ReaderChoice, ReaderMode, choose, fall_back
+from ..transport.readers import ReaderChoice, ReaderMode, choose, fall_back, opened_identity
 from ..transport.strategies import ReaderStrategy, make_strategy
 from ..transport.stream import Shards
 from .source import OpenedSource, SourceMeta, check_same_table, open_source, resolve_device, resolve_group
@@ -577,6 +577,10 @@ def _check_and_materialize(
         # Not the files auto's choice rests on (replaced since the reader opened its own): the
         # ranks fall back to src after the next agreement, whatever this rank's files hold.
         local.replaced = not choice.proof_holds(local.source)
+        if meta.objects is not None and opened_identity(local.source) != meta.objects:
+            # Objects replaced since the reader opened them (whatever readers= asked for): the
+            # reader alone reads the versions its table describes.
+            local.replaced = True
         if local.replaced and held is not None:
             local.source = held  # the reader reads the files its choice rests on, whatever happens
         elif not local.replaced:

@@ -14,6 +14,7 @@ from torch import nn
 
 from ..errors import CheckpointError, StreamloadError
 from ..io.checkpoint import Checkpoint
+from ..io.remote import opened_remote_identity
 from ..io.sources import STATE_DICT, Source, as_source
 from ..model.state import ModelState, fsdp_device, local_tensor
 from ..plan.convert import FALLBACK_PREFIX, Table
@@ -36,6 +37,9 @@ class SourceMeta:
     # How the reader reads its files ("mmap", "pread", "cold"; "" for other sources): on its host,
     # ranks that read the very same files need not measure their page-cache residency again.
     read_mode: str = ""
+    # For a checkpoint in object storage, (object, size, ETag) of every object the reader opened:
+    # a rank that opens them too must find these very versions (never a mix of two uploads).
+    objects: tuple | None = None
 
 
 @dataclass
@@ -203,6 +207,7 @@ def open_source(
                 path=str(getattr(ckpt, "path", path)),
                 extra=dict(extra() if callable(extra) else extra or {}),
                 read_mode=str(getattr(ckpt, "read_mode", "")) if isinstance(ckpt, Checkpoint) else "",
+                objects=opened_remote_identity(getattr(ckpt, "files", [])),
             )
         except BaseException as exc:  # noqa: BLE001 - every rank must hear of it
             local = exc
