@@ -182,3 +182,28 @@ def test_index_and_listing(s3: LocalS3, tmp_path: Path) -> None:
     url = s3.upload_dir(tmp_path, BUCKET, "broken_index")
     with pytest.raises(CheckpointError, match="malformed index"):
         RemoteCheckpoint(as_remote(url, s3.storage_options))
+
+
+def test_aws_profile(s3: LocalS3, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Credentials from a named profile of the shared files (obstore reads none itself)."""
+    from streamload.io.remote import RemoteError, _profile_credentials
+
+    save_file(_tensors(), str(tmp_path / "model.safetensors"))
+    url = s3.upload_dir(tmp_path, BUCKET, "profiled")
+    creds = tmp_path / "credentials"
+    creds.write_text("[streamload-test]\naws_access_key_id = AKIAPROFILE\naws_secret_access_key = s3cr3t\n")
+    for k in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN"):
+        monkeypatch.delenv(k, raising=False)
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(creds))
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "no_config"))
+    monkeypatch.setenv("AWS_PROFILE", "streamload-test")
+    options = {k: v for k, v in s3.storage_options.items() if k not in ("access_key_id", "secret_access_key")}
+    remote = as_remote(url, options)
+    provider = _profile_credentials(remote, options)
+    assert provider is not None and provider()["access_key_id"] == "AKIAPROFILE"
+    assert torch.equal(RemoteCheckpoint(remote).read("b"), _tensors()["b"])
+    # Explicit keys win over the profile; a profile that does not exist is a named error.
+    assert _profile_credentials(remote, {**options, "access_key_id": "x"}) is None
+    monkeypatch.setenv("AWS_PROFILE", "no-such-profile")
+    with pytest.raises(RemoteError, match="no-such-profile"):
+        _profile_credentials(as_remote(url, options), options)

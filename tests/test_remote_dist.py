@@ -17,7 +17,7 @@ import pytest
 import torch
 from rank_group import RankGroup
 
-from streamload.tools.quantized import make_fp8_checkpoint
+from streamload.tools.quantized import make_fp8_checkpoint, make_mxfp4_checkpoint
 from streamload.tools.synthetic import make_checkpoint
 
 pytest.importorskip("obstore")
@@ -55,6 +55,11 @@ def ckpts(s3: LocalS3, tmp_path_factory: pytest.TempPathFactory) -> dict[str, tu
         ),
         "fp8": make_fp8_checkpoint(
             root / "fp8", "llama", hidden_size=256, intermediate_size=384, seed=23, max_shard_size="400KB", **ATTN
+        ),
+        "mxfp4": make_mxfp4_checkpoint(
+            root / "mxfp4", "gpt_oss", hidden_size=64, intermediate_size=96, num_local_experts=3,
+            num_experts_per_tok=2, head_dim=16, layer_types=["sliding_attention", "full_attention"], seed=25,
+            max_shard_size="100KB", **ATTN,
         ),
         # One file, no index.
         "single": make_checkpoint(root / "single", "llama", hidden_size=64, intermediate_size=96, seed=24, **ATTN),
@@ -107,8 +112,8 @@ def test_dense_and_moe_bit_exact(group: RankGroup, s3: LocalS3, ckpts, ws: int, 
 
 
 @pytest.mark.parametrize("readers", ["src", "owners"])
-def test_fp8_and_single_file(group: RankGroup, s3: LocalS3, ckpts, readers: str) -> None:
-    for name, dtype in (("fp8", torch.bfloat16), ("single", None)):
+def test_quantized_and_single_file(group: RankGroup, s3: LocalS3, ckpts, readers: str) -> None:
+    for name, dtype in (("fp8", torch.bfloat16), ("mxfp4", torch.bfloat16), ("single", None)):
         local, url = ckpts[name]
         group.run(
             cases.case_remote_load, url=url, local=local, ws=WORLD, readers=readers,

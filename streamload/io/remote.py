@@ -202,11 +202,17 @@ def _new_store(remote: RemotePath) -> Any:
     client.setdefault("timeout", "30s")
     client.setdefault("connect_timeout", "10s")
     config = {k: v for k, v in opts.items() if k not in CLIENT_KEYS and k not in OWN_KEYS}
+    config_keys = dict(config)
+    config.pop("profile", None)
     endpoint = os.environ.get("AWS_ENDPOINT_URL")
     if remote.scheme in ("s3", "s3a") and endpoint and "endpoint" not in config:
         config["endpoint"] = endpoint  # the standard variable (obstore reads AWS_ENDPOINT only)
         if endpoint.startswith("http://"):
             client.setdefault("allow_http", True)
+    extra: dict[str, Any] = {}
+    profile = _profile_credentials(remote, config_keys)
+    if profile is not None:
+        extra["credential_provider"] = profile
     try:
         build: Any = from_url  # its overloads are per scheme; the scheme is the URL's
         return build(
@@ -214,9 +220,30 @@ def _new_store(remote: RemotePath) -> Any:
             config=config or None,
             client_options=client,
             retry_config={"max_retries": 0},
+            **extra,
         )
     except Exception as exc:  # noqa: BLE001 - obstore raises its own for bad config
         raise RemoteError(f"cannot set up the object store client: {exc}", remote.url) from exc
+
+
+def _profile_credentials(remote: RemotePath, config: Mapping[str, Any]) -> Any:
+    """An AWS profile's credentials (``AWS_PROFILE`` or ``storage_options["profile"]``, from
+    ``~/.aws/config`` and ``credentials``, SSO and role chains included) through boto3, which
+    obstore does not read itself; None where keys are given or no profile is named."""
+    name = config.get("profile") or os.environ.get("AWS_PROFILE")
+    if remote.scheme not in ("s3", "s3a") or not name:
+        return None
+    if config.get("access_key_id") or os.environ.get("AWS_ACCESS_KEY_ID"):
+        return None  # explicit keys win, as in every AWS SDK
+    try:
+        import boto3
+        from obstore.auth.boto3 import Boto3CredentialProvider
+    except ImportError as exc:
+        raise RemoteError(f"AWS profile {name!r} needs boto3: pip install boto3", remote.url) from exc
+    try:
+        return Boto3CredentialProvider(boto3.Session(profile_name=str(name)))
+    except Exception as exc:  # noqa: BLE001 - botocore's ProfileNotFound and config errors
+        raise RemoteError(f"AWS profile {name!r}: {exc}", remote.url) from exc
 
 
 # -- requests ---------------------------------------------------------------------------------
