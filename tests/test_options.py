@@ -75,9 +75,9 @@ def test_from_pretrained_passes_threads_to_the_load(tmp_path, monkeypatch: pytes
     seen: dict[str, object] = {}
     run_load = pretrained.run_load
 
-    def recording(model, path, options, opened):  # type: ignore[no-untyped-def]
+    def recording(model, path, options, opened, *rest):  # type: ignore[no-untyped-def]
         seen["threads"] = options.threads
-        return run_load(model, path, options, opened)
+        return run_load(model, path, options, opened, *rest)
 
     monkeypatch.setattr(pretrained, "run_load", recording)
     streamload.from_pretrained(ckpt, threads=1)
