@@ -18,6 +18,7 @@ from torch import nn
 from ..errors import SaveError
 from ..io.copy_ops import ITEMSIZE
 from ..load.source import resolve_device, resolve_group
+from ..timeline import PhaseClock
 from ..transport.collectives import all_gather_object
 from ..transport.protocol import carries_cpu
 from .commit import open_output
@@ -52,17 +53,6 @@ class SaveReport:
     phases: dict[str, float] = field(default_factory=dict)
     peak_buffer_bytes: int = 0
     writes: int = 0
-
-
-class _Clock:
-    def __init__(self) -> None:
-        self.start = self.last = time.perf_counter()
-        self.phases: dict[str, float] = {}
-
-    def mark(self, name: str) -> None:
-        now = time.perf_counter()
-        self.phases[name] = self.phases.get(name, 0.0) + now - self.last
-        self.last = now
 
 
 def _small_files(
@@ -197,7 +187,7 @@ def save_pretrained(
     del progress
     if writers not in WRITERS:
         raise ValueError(f"writers must be one of {WRITERS}, not {writers!r}")
-    clock = _Clock()
+    clock = PhaseClock()
     group = resolve_group(process_group, device_mesh)
     rank = dist.get_rank(group) if group is not None else 0
     bucket = int(bucket_bytes) if bucket_bytes else DEFAULT_BUCKET_BYTES
