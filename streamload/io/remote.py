@@ -45,6 +45,7 @@ from ..errors import CheckpointError, CheckpointFileError, CheckpointIndexError,
 from . import _native
 from .checkpoint import Checkpoint
 from .cold import ColdEngine
+from .gap_cache import GapCache, Held, union
 
 T = TypeVar("T")
 
@@ -60,6 +61,7 @@ GAP_BYTES = 8 << 10  # spans closer than this share a request (the gap is fetche
 _DQ_WEIGHT, _DQ_SCALE, _DQ_DIMS, _DQ_BLOCK, _DQ_BOX = 1, 5, 12, 15, 17
 DEFAULT_RETRIES = 8
 DEFAULT_CONCURRENCY = 16
+DEFAULT_GAP_CACHE_BYTES = 128 << 20  # bytes fetched ahead for later reads, held at most (GapCache)
 BACKOFF_S = (0.05, 4.0)  # first and largest backoff
 RETRY_DEADLINE_S = 120.0  # no retry starts this long after a request's first attempt
 # obstore's ClientConfig keys (the rest of storage_options is the store's config).
@@ -82,7 +84,7 @@ CLIENT_KEYS = frozenset(
         "user_agent",
     }
 )
-OWN_KEYS = frozenset({"retries", "concurrency"})
+OWN_KEYS = frozenset({"retries", "concurrency", "gap_cache_bytes"})
 
 
 class RemoteError(CheckpointFileError):
@@ -480,10 +482,14 @@ def _copy_out(buf: Any, targets: Sequence[tuple[int, int, int]], base: int) -> N
         ctypes.memmove(dst, src + (offset - base), nbytes)
 
 
-def plan_requests(spans: np.ndarray) -> list[tuple[int, int, list[tuple[int, int, int]]]]:
+def plan_requests(
+    spans: np.ndarray, claim: Callable[[int, int], int | None] | None = None
+) -> list[tuple[int, int, list[tuple[int, int, int]]]]:
     """The requests that fetch ``spans`` (rows: file offset, bytes, destination address, room):
     spans closer than ``GAP_BYTES`` share one request, no request is over ``PIECE_BYTES``
-    (a longer span is split). Each request: (start, end, its targets (offset, bytes, dest))."""
+    (a longer span is split). A wider gap joins its neighbours too when ``claim(start, end)``
+    gives an address for its bytes (``GapCache``: bytes a later read wants). Each request:
+    (start, end, its targets (offset, bytes, dest))."""
     out: list[tuple[int, int, list[tuple[int, int, int]]]] = []
     rows = spans[np.argsort(spans[:, 0], kind="stable")] if len(spans) else spans
     for offset, nbytes, dst, _ in rows.tolist():
@@ -491,13 +497,13 @@ def plan_requests(spans: np.ndarray) -> list[tuple[int, int, list[tuple[int, int
         while pos < nbytes:
             a = offset + pos
             n = min(nbytes - pos, PIECE_BYTES)
-            if (
-                out
-                and a - out[-1][1] <= GAP_BYTES
-                and a >= out[-1][0]
-                and (a + n) - out[-1][0] <= PIECE_BYTES
-            ):
+            fits = bool(out) and a >= out[-1][0] and (a + n) - out[-1][0] <= PIECE_BYTES
+            gap = a - out[-1][1] if out else 0
+            held = claim(out[-1][1], a) if fits and gap > GAP_BYTES and claim is not None else None
+            if fits and (gap <= GAP_BYTES or held is not None):
                 start, end, targets = out[-1]
+                if held is not None:
+                    targets.append((end, gap, held))
                 out[-1] = (start, max(end, a + n), targets)
                 targets.append((a, n, dst + pos))
             else:
@@ -507,11 +513,19 @@ def plan_requests(spans: np.ndarray) -> list[tuple[int, int, list[tuple[int, int
 
 
 class RemoteReader:
-    """A lane reader of ``ColdEngine`` over HTTP: ``read`` fetches ranges into their places."""
+    """A lane reader of ``ColdEngine`` over HTTP: ``read`` fetches ranges into their places.
 
-    def __init__(self, fetcher: Fetcher, keys: Mapping[str, tuple[str, str]]) -> None:
+    ``cache`` gives the engine's ``GapCache`` (None: every read fetches exactly its spans)."""
+
+    def __init__(
+        self,
+        fetcher: Fetcher,
+        keys: Mapping[str, tuple[str, str]],
+        cache: Callable[[], GapCache | None] = lambda: None,
+    ) -> None:
         self.fetcher = fetcher
         self.keys = keys  # file url -> (key, etag)
+        self.cache = cache
 
     def read(self, path: str, ranges_ptr: int, ranges_nbytes: int, fd: int = -1) -> dict[str, Any]:
         """As ``ColdReader.read``: rows (file offset, bytes, destination, room) of int64."""
@@ -521,20 +535,39 @@ class RemoteReader:
 
     def read_many(self, spans: Mapping[str, np.ndarray]) -> dict[str, Any]:
         """Fetches the spans of several files at once (rows as ``read``'s), every request of
-        every file in flight together (up to the fetcher's ``concurrency``)."""
+        every file in flight together (up to the fetcher's ``concurrency``). With a gap cache,
+        spans held there are copied from it, and gaps a later read wants are fetched along."""
         before = (self.fetcher.stats.bytes, self.fetcher.stats.requests, self.fetcher.stats.retries)
         t0 = time.perf_counter()
-
-        async def one(key: str, etag: str, start: int, end: int, targets: list[tuple[int, int, int]]) -> None:
-            buf = await self.fetcher.get(key, start, end, etag)
-            _copy_out(buf, targets, start)
-
-        work = [
-            one(*self.keys[path], start, end, targets)
-            for path, rows in spans.items()
-            for start, end, targets in plan_requests(np.asarray(rows, dtype=np.int64).reshape(-1, 4))
-        ]
-        self.fetcher.run(self.fetcher.gather(work))
+        cache = self.cache()
+        hits: dict[str, list[tuple[Held, int, int, int]]] = {}
+        claims: list[Held] = []
+        work = []
+        for path, rows in spans.items():
+            rows = np.asarray(rows, dtype=np.int64).reshape(-1, 4)
+            claim = None
+            if cache is not None:
+                rows, hits[path] = cache.split(path, rows)
+                claim = self._claimer(cache, path, claims)
+            work.extend(self._get(*self.keys[path], *r) for r in plan_requests(rows, claim))
+        fetched = False
+        try:
+            self.fetcher.run(self.fetcher.gather(work))
+            fetched = True
+        finally:
+            if cache is not None:
+                cache.settle(claims, ok=fetched)
+        if cache is not None:
+            # Pieces another lane claimed and failed to fetch are fetched here.
+            missed = {path: cache.take(held) for path, held in hits.items() if held}
+            retry = [
+                self._get(*self.keys[path], *r)
+                for path, rows in missed.items()
+                if rows
+                for r in plan_requests(np.array(rows, dtype=np.int64).reshape(-1, 4))
+            ]
+            if retry:
+                self.fetcher.run(self.fetcher.gather(retry))
         s = self.fetcher.stats
         return {
             "seconds": time.perf_counter() - t0,
@@ -547,16 +580,22 @@ class RemoteReader:
             "remote_retries": s.retries - before[2],
         }
 
+    @staticmethod
+    def _claimer(cache: GapCache, path: str, claims: list[Held]) -> Callable[[int, int], int | None]:
+        def claim(start: int, end: int) -> int | None:
+            held = cache.claim(path, start, end)
+            if held is None:
+                return None
+            claims.append(held)
+            return held.address
 
-def _union(ranges: Iterable[tuple[int, int]]) -> list[tuple[int, int]]:
-    """Sorted, merged [start, end) ranges."""
-    out: list[tuple[int, int]] = []
-    for a, b in sorted(ranges):
-        if out and a <= out[-1][1]:
-            out[-1] = (out[-1][0], max(out[-1][1], b))
-        else:
-            out.append((a, b))
-    return out
+        return claim
+
+    async def _get(
+        self, key: str, etag: str, start: int, end: int, targets: list[tuple[int, int, int]]
+    ) -> None:
+        buf = await self.fetcher.get(key, start, end, etag)
+        _copy_out(buf, targets, start)
 
 
 @dataclass
@@ -733,6 +772,8 @@ class RemoteEngine(ColdEngine):
     def __init__(self, engine: Any, files: Sequence[RemoteFile], fetcher: Fetcher) -> None:
         self.fetcher = fetcher
         self.keys = {f.path: (f.key, f.etag) for f in files}
+        self.cache: GapCache | None = None  # set by will_read, for one load
+        self.cache_budget = fetcher.remote.setting("gap_cache_bytes", DEFAULT_GAP_CACHE_BYTES)
         super().__init__(engine, files, chunk_bytes=64 << 20, buffers=4, lanes=2, direct_io=False)
 
     def _set_lanes(self, buffered: bool) -> None:
@@ -740,7 +781,31 @@ class RemoteEngine(ColdEngine):
             self._lanes.get()
         self.buffered = True  # no alignment: a request asks for exactly its bytes
         for _ in range(self._lane_count):
-            self._lanes.put(RemoteReader(self.fetcher, self.keys))
+            self._lanes.put(RemoteReader(self.fetcher, self.keys, lambda: self.cache))
+
+    def will_read(self, spans: Mapping[int, Iterable[tuple[int, int]]]) -> None:
+        """Announces every span the load reads: (start, end) in each file's data section, by
+        file index. Gaps between one read's requests made of bytes a later read wants are then
+        fetched along and held (``GapCache``, at most ``storage_options["gap_cache_bytes"]``)
+        until that read; ``drain`` (the load's end) lets them go."""
+        wanted = {
+            self.paths[f]: [(int(self.data_starts[f]) + a, int(self.data_starts[f]) + b) for a, b in ranges]
+            for f, ranges in spans.items()
+        }
+        self.cache = GapCache(wanted, self.cache_budget, GAP_BYTES) if self.cache_budget > 0 else None
+
+    @property
+    def buffer_bytes(self) -> int:
+        held = self.cache.bytes_held if self.cache is not None else 0
+        return super().buffer_bytes + held
+
+    def drain(self) -> None:
+        super().drain()
+        self.cache = None
+
+    def _reset_in_child(self) -> None:
+        super()._reset_in_child()
+        self.cache = None  # its lock and the claims in flight were the parent's
 
     def _policy(self, buffered: bool) -> bool:
         return True
@@ -798,7 +863,7 @@ class RemoteEngine(ColdEngine):
         total = 0
         for (f, off), (_, ranges) in want.items():
             base = held[(f, off)].ctypes.data
-            for a, b in _union(ranges):
+            for a, b in union(ranges):
                 spans.setdefault(self.paths[f], []).append(
                     (int(self.data_starts[f]) + off + a, b - a, base + a, b - a)
                 )

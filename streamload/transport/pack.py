@@ -130,6 +130,15 @@ def _add_dequant(
     )
 
 
+def _region_extent(info: Any, reg: SourceRegion) -> tuple[int, int]:
+    """The [start, end) bytes of ``reg`` in its file's data section (``info``: its tensor's)."""
+    isz = ITEMSIZE[info.dtype]
+    full = contiguous_strides(info.shape)
+    first = sum(s * st for s, st in zip(reg.src_start, full, strict=True))
+    last = first + sum((n - 1) * full[d] for n, d in zip(reg.shape, reg.dims, strict=True) if d is not None)
+    return info.begin + first * isz, info.begin + (last + 1) * isz
+
+
 class Packer:
     """Fills staging slots (and the reader's own shards) from a checkpoint.
 
@@ -243,6 +252,32 @@ class Packer:
                 seg_strides = contiguous_strides([hi - lo for lo, hi in seg.box])
                 self._add_segment(batch, seg, slot, seg.wire_dtype, seg_strides, (base + seg.offset) // isz)
         return batch
+
+    def source_spans(self, only: int | None = None) -> dict[int, list[tuple[int, int]]]:
+        """Every span of the files this load's buckets read (``only``: that rank's segments),
+        as (start, end) in each file's data section, by file index: the byte extent of each
+        source region (a column slice spans its rows). Quantized and built tensors are left out."""
+        spans: dict[int, list[tuple[int, int]]] = {}
+        virtual = self.virtual if self.virtual is not None else ()
+        for bucket in self.plan.buckets:
+            for rank, segs in enumerate(bucket.segments):
+                if only is not None and rank != only:
+                    continue
+                for seg in segs:
+                    for reg in regions_for_box(self.plan.targets[seg.target].pieces, seg.box):
+                        if (self.quant is not None and reg.key in self.quant) or reg.key in virtual:
+                            continue
+                        info = self.ckpt.info(reg.key)
+                        if ITEMSIZE.get(info.dtype, 0):  # sub-byte sources are read whole, apart
+                            spans.setdefault(info.file_index, []).append(_region_extent(info, reg))
+        return spans
+
+    def announce_reads(self, only: int | None = None) -> None:
+        """Tells an engine that fetches ahead (``will_read``: remote loads) every span this
+        load reads, so it can fetch gaps between one bucket's spans that a later bucket reads."""
+        will_read = getattr(getattr(self.ckpt, "engine", None), "will_read", None)
+        if will_read is not None and self._announces:
+            will_read(self.source_spans(only))
 
     def _announce(self, batch: OpBatch, bucket: Bucket) -> bool:
         """Hands ``batch``'s ops to a read-ahead engine (cold reads) before it runs, which

@@ -82,6 +82,7 @@ def scatter(
     try:
         if source is not None:
             packer = Packer(source, plan, shards.locals_, shards.fallbacks, shards.skip, shards.quant)
+            packer.announce_reads()
     except BaseException as exc:  # noqa: BLE001 - every rank must hear of it (see _stream)
         setup = exc
     status = status or open_status_route(group, device, create=False)
@@ -136,6 +137,7 @@ def read_owned(
     try:
         with tl.span("setup"):
             packer = Packer(source, plan, locals_, shards.fallbacks, shards.skip, shards.quant)
+            packer.announce_reads(row)
             bar = _progress_bar(sum(s.nbytes for b in plan.buckets for s in b.segments[row]), shards.progress)
             if plan.buckets:
                 # Shards on the CPU (FSDP2 offload too) are filled in place: nothing stages there.
