@@ -1,12 +1,15 @@
 """GapCache: gaps between one read's spans that a later read wants are fetched along, held, and
-handed to that read; every byte lands where it belongs and is fetched once, with lanes racing and
-with a claim that fails. The reads go through RemoteReader against an in-memory object."""
+handed to that read; every byte lands where it belongs and is fetched once, with lanes racing,
+objects side by side and a claim that fails. The reads go through RemoteReader against objects in
+memory. Also the byte extent a load announces per source region (``_region_extent``)."""
 
 from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from collections.abc import Awaitable, Iterable
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -14,6 +17,8 @@ import pytest
 
 from streamload.io.gap_cache import GapCache, Ranges, union
 from streamload.io.remote import GAP_BYTES, FetchStats, RemoteReader
+from streamload.plan.regions import SourceRegion
+from streamload.transport.pack import _region_extent
 
 PATH = "s3://b/model.safetensors"
 TENSOR = 96 << 10  # wider than GAP_BYTES: each other tensor is a gap
@@ -22,8 +27,9 @@ TENSOR = 96 << 10  # wider than GAP_BYTES: each other tensor is a gap
 class MemoryFetcher:
     """A Fetcher's read side over bytes in memory; ``fail_over`` fails requests longer than it."""
 
-    def __init__(self, data: bytes, fail_over: int | None = None) -> None:
+    def __init__(self, data: bytes, fail_over: int | None = None, delay: float = 0.0) -> None:
         self.data = data
+        self.delay = delay
         self.stats = FetchStats()
         self.fail_over = fail_over
         self.ranges: list[tuple[int, int]] = []
@@ -36,6 +42,7 @@ class MemoryFetcher:
         return list(await asyncio.gather(*coros))
 
     async def get(self, key: str, start: int, end: int, etag: str | None) -> bytes:
+        await asyncio.sleep(self.delay)
         if self.fail_over is not None and end - start > self.fail_over:
             raise ConnectionError(f"{key} {start}-{end}: refused")
         with self._lock:
@@ -137,23 +144,99 @@ def test_budget_and_bytes_already_read_are_never_gaps() -> None:
 
 
 def test_lanes_racing_fetch_each_byte_once() -> None:
+    """Two lanes at once: the down lane starts while the gate_up lane's requests (carrying the
+    downs) are in flight, waits for them and copies from them; also in either order at random."""
     data, gate_up, down = _layout(64)
-    for _ in range(5):
-        fetcher = MemoryFetcher(data)
+    for forced in (True, False, False, False):
+        fetcher = MemoryFetcher(data, delay=0.2 if forced else 0.0)
         cache = GapCache({PATH: [(o, o + n) for o, n in gate_up + down]}, 64 << 20, GAP_BYTES)
         out: dict[int, tuple[np.ndarray, np.ndarray]] = {}
 
         def lane(k: int, spans: list[tuple[int, int]], fetcher=fetcher, cache=cache, out=out) -> None:
             out[k] = _read(_reader(fetcher, cache), spans)
 
-        threads = [threading.Thread(target=lane, args=(k, s)) for k, s in enumerate((gate_up, down))]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
+        first = threading.Thread(target=lane, args=(0, gate_up))
+        first.start()
+        if forced:
+            while cache.bytes_held == 0:  # the gate_up lane has claimed the downs, its GETs wait
+                time.sleep(0.001)
+        second = threading.Thread(target=lane, args=(1, down))
+        second.start()
+        first.join()
+        second.join()
         assert all(np.array_equal(*out[k]) for k in (0, 1))
         assert fetcher.stats.bytes == len(data)
         assert cache.bytes_held == 0
+        if forced:
+            assert fetcher.stats.requests <= 6, fetcher.stats.requests  # the downs came from the claims
+
+
+def test_files_apart_and_a_failure_while_planning() -> None:
+    """Two objects with the same offsets keep their own held bytes; a read that fails after its
+    first claim (here: its second claim raises) settles that claim, so no lane waits for it."""
+    data, gate_up, down = _layout(6)
+    other = "s3://b/other.safetensors"
+    fetcher = MemoryFetcher(data)
+    wanted = [(o, o + n) for o, n in gate_up + down]
+    cache = GapCache({PATH: wanted, other: wanted}, 64 << 20, GAP_BYTES)
+    reader = RemoteReader(fetcher, {PATH: ("a", "e"), other: ("b", "e")}, lambda: cache)  # type: ignore[arg-type]
+    src = np.frombuffer(data, dtype=np.uint8)
+    for spans in (gate_up, down):
+        dst = {p: np.zeros(sum(n for _, n in spans), dtype=np.uint8) for p in (PATH, other)}
+        rows = {}
+        for p in (PATH, other):
+            pos, r = 0, []
+            for off, n in spans:
+                r.append((off, n, dst[p].ctypes.data + pos, n))
+                pos += n
+            rows[p] = np.array(r, dtype=np.int64)
+        reader.read_many(rows)
+        want = np.concatenate([src[o : o + n] for o, n in spans])
+        assert all(np.array_equal(dst[p], want) for p in (PATH, other))
+    assert cache.bytes_held == 0 and fetcher.stats.bytes == 2 * len(data)
+
+    cache = GapCache({PATH: wanted}, 64 << 20, GAP_BYTES)
+    made: list = []
+    real = cache.claim
+
+    def claim_once(path: str, start: int, end: int):
+        if made:
+            raise MemoryError("no room")
+        made.append(real(path, start, end))
+        return made[-1]
+
+    cache.claim = claim_once  # type: ignore[method-assign]
+    with pytest.raises(MemoryError):
+        _read(_reader(MemoryFetcher(data), cache), gate_up)
+    assert made and made[0] is not None and made[0].ready.is_set() and made[0].failed
+    assert cache.bytes_held == 0
+
+
+def test_announced_extent_covers_exactly_the_region() -> None:
+    """``_region_extent`` (what a load announces per source region) against the element offsets
+    the region reads, for row and column slices, transposed regions and stacked dims."""
+    rng = np.random.default_rng(3)
+    for _ in range(200):
+        ndim = int(rng.integers(1, 4))
+        shape = tuple(int(x) for x in rng.integers(1, 7, ndim))
+        start = tuple(int(rng.integers(0, n)) for n in shape)
+        size = tuple(int(rng.integers(1, n - s + 1)) for n, s in zip(shape, start, strict=True))
+        order = [int(d) for d in rng.permutation(ndim)]
+        dims: list[int | None] = list(order)
+        reg_shape = [size[d] for d in order]
+        if rng.random() < 0.3:  # a stacked dim of one element
+            k = int(rng.integers(0, ndim + 1))
+            dims.insert(k, None)
+            reg_shape.insert(k, 1)
+        itemsize = int(rng.choice([1, 2, 4]))
+        info = SimpleNamespace(dtype={1: "U8", 2: "BF16", 4: "F32"}[itemsize], shape=shape, begin=4096)
+        reg = SourceRegion("t", tuple(reg_shape), start, tuple(dims), (0,) * len(dims))
+        elems = np.arange(int(np.prod(shape))).reshape(shape)
+        read = elems[tuple(slice(s, s + n) for s, n in zip(start, size, strict=True))]
+        assert _region_extent(info, reg) == (
+            4096 + int(read.min()) * itemsize,
+            4096 + (int(read.max()) + 1) * itemsize,
+        )
 
 
 def test_a_failed_claim_is_fetched_by_the_read_that_wants_it() -> None:

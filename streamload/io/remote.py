@@ -2,9 +2,10 @@
 
 Nothing is downloaded whole and nothing is written to local disk: the table comes from
 each file's 8-byte length and header (ranged GETs, validated by the same native parser
-as local headers), and the stream fetches exactly the byte spans each bucket packs,
-straight into the staging ring (``RemoteEngine``, a ``ColdEngine`` whose lane readers
-are HTTP range requests). The object store client is ``obstore`` (Rust's
+as local headers), and the stream fetches the byte spans each bucket packs, straight
+into the staging ring (``RemoteEngine``, a ``ColdEngine`` whose lane readers are HTTP
+range requests); gaps between them that a later bucket reads ride along and are held
+until read (``GapCache``). The object store client is ``obstore`` (Rust's
 ``object_store``): its throughput on the same endpoint beat s3fs's (README,
 ``streamload bench --remote``).
 
@@ -17,9 +18,10 @@ error that the loader's agreements raise on every rank.
 Credentials, region and endpoint come from the standard environment (``AWS_*``,
 ``GOOGLE_*``, ``AZURE_*``: obstore reads it) plus ``storage_options``, whose keys are
 obstore's store config (``endpoint``, ``region``, ``access_key_id``, ...) and client
-options (``allow_http``, ``timeout``, ...), and two of streamload's own: ``retries``
-(per request, default 8; none starts 120 s after the first attempt) and ``concurrency``
-(requests in flight per reader, default 16). Requests time out after 30 s (``timeout``) and
+options (``allow_http``, ``timeout``, ...), and three of streamload's own: ``retries``
+(per request, default 8; none starts 120 s after the first attempt), ``concurrency``
+(requests in flight per reader, default 16) and ``gap_cache_bytes`` (bytes held for later
+buckets at most, default 128 MiB; 0: none). Requests time out after 30 s (``timeout``) and
 connections after 10 s (``connect_timeout``).
 """
 
@@ -542,16 +544,18 @@ class RemoteReader:
         cache = self.cache()
         hits: dict[str, list[tuple[Held, int, int, int]]] = {}
         claims: list[Held] = []
-        work = []
-        for path, rows in spans.items():
-            rows = np.asarray(rows, dtype=np.int64).reshape(-1, 4)
-            claim = None
-            if cache is not None:
-                rows, hits[path] = cache.split(path, rows)
-                claim = self._claimer(cache, path, claims)
-            work.extend(self._get(*self.keys[path], *r) for r in plan_requests(rows, claim))
         fetched = False
         try:
+            # Claims are made while planning: from the first one on, they are settled whatever
+            # happens (a lane waiting for one would otherwise wait for ever).
+            work = []
+            for path, rows in spans.items():
+                rows = np.asarray(rows, dtype=np.int64).reshape(-1, 4)
+                claim = None
+                if cache is not None:
+                    rows, hits[path] = cache.split(path, rows)
+                    claim = self._claimer(cache, path, claims)
+                work.extend(self._get(*self.keys[path], *r) for r in plan_requests(rows, claim))
             self.fetcher.run(self.fetcher.gather(work))
             fetched = True
         finally:
@@ -787,12 +791,18 @@ class RemoteEngine(ColdEngine):
         """Announces every span the load reads: (start, end) in each file's data section, by
         file index. Gaps between one read's requests made of bytes a later read wants are then
         fetched along and held (``GapCache``, at most ``storage_options["gap_cache_bytes"]``)
-        until that read; ``drain`` (the load's end) lets them go."""
+        until that read; ``drain`` (the load's end) lets them go. Every load announces (none:
+        an empty ``spans``), so no load fetches ahead for another's plan."""
         wanted = {
             self.paths[f]: [(int(self.data_starts[f]) + a, int(self.data_starts[f]) + b) for a, b in ranges]
             for f, ranges in spans.items()
         }
-        self.cache = GapCache(wanted, self.cache_budget, GAP_BYTES) if self.cache_budget > 0 else None
+        self.cache = GapCache(wanted, self.cache_budget, GAP_BYTES) if self.fetches_ahead and wanted else None
+
+    @property
+    def fetches_ahead(self) -> bool:
+        """True when gaps may be fetched ahead (``gap_cache_bytes`` > 0): ``will_read`` wants spans."""
+        return self.cache_budget > 0
 
     @property
     def buffer_bytes(self) -> int:

@@ -275,9 +275,11 @@ class Packer:
     def announce_reads(self, only: int | None = None) -> None:
         """Tells an engine that fetches ahead (``will_read``: remote loads) every span this
         load reads, so it can fetch gaps between one bucket's spans that a later bucket reads."""
-        will_read = getattr(getattr(self.ckpt, "engine", None), "will_read", None)
-        if will_read is not None and self._announces:
-            will_read(self.source_spans(only))
+        engine = getattr(self.ckpt, "engine", None)
+        will_read = getattr(engine, "will_read", None)
+        if will_read is not None:  # always called: a load that announces nothing clears the last one's
+            ahead = self._announces and bool(getattr(engine, "fetches_ahead", True))
+            will_read(self.source_spans(only) if ahead else {})
 
     def _announce(self, batch: OpBatch, bucket: Bucket) -> bool:
         """Hands ``batch``'s ops to a read-ahead engine (cold reads) before it runs, which

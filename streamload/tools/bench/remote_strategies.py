@@ -224,13 +224,17 @@ def ceiling_s3fs(ckpt: str, mesh: Any, dtype: torch.dtype, opts: dict[str, Any])
     return _Loaded(buf)
 
 
-def _streamload(readers: str) -> Callable[[str, Any, torch.dtype, dict[str, Any]], nn.Module]:
-    """``streamload.from_pretrained(s3 url, readers=readers, storage_options=...)`` on every rank."""
+def _streamload(
+    readers: str, **settings: Any
+) -> Callable[[str, Any, torch.dtype, dict[str, Any]], nn.Module]:
+    """``streamload.from_pretrained(s3 url, readers=readers, storage_options=...)`` on every rank;
+    ``settings``: streamload's own storage options on top of the endpoint's."""
 
     def load(ckpt: str, mesh: Any, dtype: torch.dtype, opts: dict[str, Any]) -> nn.Module:
         import streamload
 
         url, options = _remote(opts)
+        options.update(settings)
         model = streamload.from_pretrained(
             url,
             device_mesh=mesh,
@@ -406,6 +410,8 @@ def _with_warmup(
 _MODEL = ("transformers", "accelerate", "torch.distributed.checkpoint")
 streamload_src = _with_warmup(_streamload("src"), "streamload", "obstore", *_MODEL)
 streamload_owners = _with_warmup(_streamload("owners"), "streamload", "obstore", *_MODEL)
+# src with no gaps fetched ahead (gap_cache_bytes=0): what the gap cache buys, side by side.
+streamload_src_no_gaps = _with_warmup(_streamload("src", gap_cache_bytes=0), "streamload", "obstore", *_MODEL)
 runai = _with_warmup(_runai(every_rank=False), "runai_model_streamer", *_MODEL)
 runai_every_rank = _with_warmup(_runai(every_rank=True), "runai_model_streamer", *_MODEL)
 _with_warmup(ceiling, "obstore")
@@ -417,6 +423,7 @@ REMOTE_LOADERS = (
     "ceiling_s3fs",
     "streamload_src",
     "streamload_owners",
+    "streamload_src_no_gaps",
     "runai",
     "runai_every_rank",
     "download_then_load",
