@@ -39,6 +39,7 @@ from ..plan.regions import Box, regions_for_box
 
 log = logging.getLogger("streamload")
 
+
 @dataclass
 class MappedShards:
     """Targets whose local shard is now a view of the file, and their bytes."""
