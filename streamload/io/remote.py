@@ -548,14 +548,14 @@ class RemoteReader:
         try:
             # Claims are made while planning: from the first one on, they are settled whatever
             # happens (a lane waiting for one would otherwise wait for ever).
-            work = []
+            work: list[Awaitable[None]] = []
             for path, rows in spans.items():
                 rows = np.asarray(rows, dtype=np.int64).reshape(-1, 4)
                 claim = None
                 if cache is not None:
                     rows, hits[path] = cache.split(path, rows)
                     claim = self._claimer(cache, path, claims)
-                work.extend(self._get(*self.keys[path], *r) for r in plan_requests(rows, claim))
+                work.extend(self._requests(path, rows, claim))
             self.fetcher.run(self.fetcher.gather(work))
             fetched = True
         finally:
@@ -565,10 +565,10 @@ class RemoteReader:
             # Pieces another lane claimed and failed to fetch are fetched here.
             missed = {path: cache.take(held) for path, held in hits.items() if held}
             retry = [
-                self._get(*self.keys[path], *r)
+                request
                 for path, rows in missed.items()
                 if rows
-                for r in plan_requests(np.array(rows, dtype=np.int64).reshape(-1, 4))
+                for request in self._requests(path, np.array(rows, dtype=np.int64).reshape(-1, 4))
             ]
             if retry:
                 self.fetcher.run(self.fetcher.gather(retry))
@@ -583,6 +583,15 @@ class RemoteReader:
             "remote_requests": s.requests - before[1],
             "remote_retries": s.retries - before[2],
         }
+
+    def _requests(
+        self, path: str, rows: np.ndarray, claim: Callable[[int, int], int | None] | None = None
+    ) -> list[Awaitable[None]]:
+        """The GETs that fetch ``rows`` of ``path`` into their places (``plan_requests``)."""
+        key, etag = self.keys[path]
+        return [
+            self._get(key, etag, start, end, targets) for start, end, targets in plan_requests(rows, claim)
+        ]
 
     @staticmethod
     def _claimer(cache: GapCache, path: str, claims: list[Held]) -> Callable[[int, int], int | None]:
