@@ -126,8 +126,10 @@ def load_checkpoint(
             does not tell nodes apart.
         storage_options: for an object store ``path`` (``s3://``, ``gs://``, ``az://``): obstore's
             store config and client options (``endpoint``, ``region``, ``access_key_id``,
-            ``allow_http``, ``timeout``, ...) plus ``retries`` (per request, default 8) and
-            ``concurrency`` (requests in flight per reader, default 16); the standard environment
+            ``allow_http``, ``timeout``, ...) plus ``retries`` (per request, default 8),
+            ``concurrency`` (requests in flight per reader, default 16) and ``gap_cache_bytes``
+            (bytes between a bucket's spans that a later bucket reads, fetched along and held
+            until read, at most; default 128 MiB, 0: none); the standard environment
             (``AWS_ENDPOINT_URL``, ``AWS_*`` credentials) applies where a key is not given.
 
     Returns:
