@@ -23,6 +23,7 @@ void bind_copy(py::module_& m) {
       .def(py::init<size_t>(), py::arg("threads") = 0)
       .def_property_readonly("threads", &CopyEngine::threads)
       .def_property_readonly("peak_bounce_bytes", &CopyEngine::peak_bounce_bytes)
+      .def_property("populate", &CopyEngine::populate, &CopyEngine::set_populate)
       .def(
           "execute",
           // ops: address and byte length of a C-contiguous int64 (n, OP_FIELDS) array.

@@ -3,9 +3,12 @@
 #include <algorithm>
 #include <cstring>
 
+#include <errno.h>
 #include <sched.h>
 #include <setjmp.h>
 #include <signal.h>
+#include <sys/mman.h>
+#include <unistd.h>
 
 #include <atomic>
 #include <mutex>
@@ -315,6 +318,28 @@ struct Piece {
   int64_t src_offset, dst_offset;  // elements
 };
 
+#ifndef MADV_POPULATE_WRITE
+#define MADV_POPULATE_WRITE 23  // linux/mman.h, Linux >= 5.14
+#endif
+
+std::atomic<bool> g_can_populate{true};
+
+// Pieces whose destination spans less than this are left to fault as they are written.
+constexpr int64_t kPopulateMinBytes = 64 << 10;
+
+// Populates the pages a piece writes, when its destination is dense (it writes at least half
+// of the bytes it spans): a sparse piece (a column of a wide row) leaves its pages to others.
+void populate_piece(char* dst, const Region& r, int64_t di) {
+  int64_t span = 1, written = 1;
+  for (int k = 0; k < r.ndim; ++k) {
+    if (r.ds[k] < 0 || r.shape[k] <= 0) return;
+    span += (r.shape[k] - 1) * r.ds[k];
+    written *= r.shape[k];
+  }
+  if (span * di < kPopulateMinBytes || span > 2 * written) return;
+  populate_pages(dst, static_cast<size_t>(span * di));
+}
+
 // A pread piece's bounce buffer never holds more than this: the rows of a column shard lie
 // world-size times their length apart in the file, so a piece's whole span grows with the world.
 constexpr int64_t kBounceBytes = 2 * kPieceBytes;
@@ -384,6 +409,24 @@ void pread_region(const MappedFile* f, DType sd, DType dd, int64_t at, char* dst
 
 }  // namespace
 
+bool populate_pages(char* dst, size_t nbytes) {
+  if (!g_can_populate.load(std::memory_order_relaxed)) return false;
+  static const uintptr_t page = static_cast<uintptr_t>(sysconf(_SC_PAGESIZE));
+  // Whole pages only: a page shared with a neighbour is left to fault as it is written.
+  uintptr_t a = (reinterpret_cast<uintptr_t>(dst) + page - 1) / page * page;
+  uintptr_t b = (reinterpret_cast<uintptr_t>(dst) + nbytes) / page * page;
+  if (b <= a) return true;
+  if (madvise(reinterpret_cast<void*>(a), b - a, MADV_POPULATE_WRITE) != 0) {
+    // EINVAL: a kernel without it. Anything else (a range it cannot populate) is the
+    // copy's to meet: its writes fault those pages as they would have.
+    if (errno == EINVAL || errno == ENOSYS) {
+      g_can_populate.store(false, std::memory_order_relaxed);
+      return false;
+    }
+  }
+  return true;
+}
+
 size_t default_threads() {
   cpu_set_t set;
   if (sched_getaffinity(0, sizeof(set), &set) == 0) {
@@ -433,12 +476,14 @@ uint64_t CopyEngine::execute(const std::vector<const MappedFile*>& files, const 
       pieces.push_back(p);
     }
   }
+  const bool populate = populate_.load(std::memory_order_relaxed);
   pool_.run(pieces.size(), [&](size_t k) {
     const Piece& p = pieces[k];
     const CopyOp& op = ops[p.op];
     DType sd = static_cast<DType>(op.src_dtype), dd = static_cast<DType>(op.dst_dtype);
     int64_t si = static_cast<int64_t>(dtype_itemsize(sd)), di = static_cast<int64_t>(dtype_itemsize(dd));
     char* dst = reinterpret_cast<char*>(op.dst) + p.dst_offset * di;
+    if (populate) populate_piece(dst, p.region, di);
     if (op.file < 0) {
       copy_region(sd, dd, reinterpret_cast<const char*>(op.src) + p.src_offset * si, dst, p.region);
       return;

@@ -72,10 +72,26 @@ class CopyEngine {
   // The largest pread bounce read so far (bytes): what one worker's buffer holds.
   uint64_t peak_bounce_bytes() const { return peak_bounce_.load(); }
 
+  // Whether each piece's destination pages are faulted in by one madvise before
+  // its copy (see populate_pages); on by default.
+  bool populate() const { return populate_.load(std::memory_order_relaxed); }
+  void set_populate(bool on) { populate_.store(on, std::memory_order_relaxed); }
+
  private:
   ThreadPool pool_;
   std::atomic<uint64_t> peak_bounce_{0};
+  std::atomic<bool> populate_{true};
 };
+
+// Faults in the whole pages of [dst, dst + nbytes) writable, in one
+// madvise(MADV_POPULATE_WRITE) call, without changing a byte. A page that a
+// copy would fault in on first write costs a trap per 4 KiB page; in one call
+// the kernel takes them back to back (measured on the dev VM: 700 MiB of fresh
+// memory filled by memcpy in 0.46 s, populated then copied in 0.24 s). Only
+// for memory about to be written: a page of a private file mapping becomes a
+// private copy, as the write would make it. Returns false where the kernel
+// lacks it (before Linux 5.14), after which it is not tried again.
+bool populate_pages(char* dst, size_t nbytes);
 
 // Installs the SIGBUS handler that run_guarded relies on (idempotent).
 void install_bus_handler();

@@ -18,7 +18,7 @@ from ..report import progress_enabled
 from ..timeline import current
 from .collectives import Transport
 from .pack import Packer, StagingRing
-from .prefault import prefault
+from .prefault import populate_on_copy, prefault
 from .protocol import StatusRoute, gather_or_raise, open_status_route
 from .staging import Stager, open_stager, settle
 from .unpack import unpack
@@ -83,6 +83,7 @@ def scatter(
         if source is not None:
             packer = Packer(source, plan, shards.locals_, shards.fallbacks, shards.skip, shards.quant)
             packer.announce_reads()
+            populate_on_copy(source.engine, shards.prefault)
     except BaseException as exc:  # noqa: BLE001 - every rank must hear of it (see _stream)
         setup = exc
     status = status or open_status_route(group, device, create=False)
@@ -138,6 +139,7 @@ def read_owned(
         with tl.span("setup"):
             packer = Packer(source, plan, locals_, shards.fallbacks, shards.skip, shards.quant)
             packer.announce_reads(row)
+            populate_on_copy(source.engine, shards.prefault)
             bar = _progress_bar(sum(s.nbytes for b in plan.buckets for s in b.segments[row]), shards.progress)
             if plan.buckets:
                 # Shards on the CPU (FSDP2 offload too) are filled in place: nothing stages there.

@@ -1,0 +1,112 @@
+"""The copy engine faults in each piece's destination pages in one madvise before copying it:
+not a byte differs, the whole span of a dense piece is faulted in (seen with mincore, not
+timed), and sparse destinations are left to fault as they are written."""
+
+from __future__ import annotations
+
+import ctypes
+import mmap
+
+import pytest
+import torch
+
+from streamload.io import _native
+from streamload.io.copy_ops import OpBatch
+from streamload.transport.prefault import MADV_POPULATE_WRITE, PAGE, advise, page_ranges, populate_on_copy
+
+
+def _fresh(nbytes: int) -> tuple[mmap.mmap, torch.Tensor]:
+    """Anonymous memory no one has touched yet (its own mapping: no pages)."""
+    m = mmap.mmap(-1, nbytes)
+    return m, torch.frombuffer(m, dtype=torch.uint8)
+
+
+def _resident(t: torch.Tensor) -> float:
+    """Fraction of the tensor's pages present in memory (mincore)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p]
+    (a, b), *_ = page_ranges([t])
+    vec = ctypes.create_string_buffer((b - a) // PAGE)
+    assert libc.mincore(a, b - a, vec) == 0, ctypes.get_errno()
+    return sum(v & 1 for v in vec.raw) / len(vec.raw)
+
+
+def _copy(engine: object, src: torch.Tensor, dst: torch.Tensor, rows: int, cols: int, at: int) -> None:
+    """Copies ``src`` (rows x cols bytes) into ``dst`` as a [rows, cols] box at column ``at`` of
+    rows ``dst.numel() // rows`` wide."""
+    width = dst.numel() // rows
+    batch = OpBatch()
+    batch.add(
+        file=-1, src=src.data_ptr(), src_nbytes=src.numel(), src_dtype="U8", dst=dst, dst_dtype="U8",
+        shape=[rows, cols], src_strides=[cols, 1], dst_strides=[width, 1], dst_offset=at,
+    )  # fmt: skip
+    batch.execute(engine, [])
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_populated_copy_is_exact_and_faults_its_span_in_at_once(threads: int) -> None:
+    """Rows of 4 pages, the box writing the first 3 of each: dense enough to populate, so the
+    4th page of every row is faulted in too (what shows the madvise ran: a copy alone never
+    touches it), and every byte is the source's or still zero."""
+    engine = _native.CopyEngine(threads)
+    assert engine.populate  # the default
+    rows, width, cols = 256, 4 * PAGE, 3 * PAGE
+    src = torch.randint(0, 256, (rows * cols,), dtype=torch.uint8)
+    resident = {}
+    for on in (False, True):
+        engine.populate = on
+        keep, dst = _fresh(rows * width)
+        _copy(engine, src, dst, rows, cols, 0)
+        resident[on] = _resident(dst)  # before anything reads the pages the copy skipped
+        grid = dst.view(rows, width)
+        assert torch.equal(grid[:, :cols].reshape(-1), src)
+        assert not bool(grid[:, cols:].any())
+        del grid, dst
+        keep.close()
+    assert resident[False] == pytest.approx(0.75, abs=0.02)
+    probe, view = _fresh(PAGE)
+    if not advise(page_ranges([view]), MADV_POPULATE_WRITE):
+        pytest.skip("MADV_POPULATE_WRITE is not supported by this kernel (Linux >= 5.14)")
+    del view
+    probe.close()
+    assert resident[True] > 0.99
+
+
+def test_sparse_destination_is_left_to_fault_and_neighbours_keep_their_bytes() -> None:
+    """A column slice (a quarter of each row) spans 4x the bytes it writes: not populated, and
+    the columns between keep what they held."""
+    engine = _native.CopyEngine(1)
+    rows, width = 512, 16 << 10
+    keep, dst = _fresh(rows * width)
+    dst.view(rows, width)[:, : width // 2].fill_(7)  # half the pages now hold data
+    src = torch.randint(0, 256, (rows * width // 4,), dtype=torch.uint8)
+    _copy(engine, src, dst, rows, width // 4, width // 2)
+    resident = _resident(dst)
+    grid = dst.view(rows, width)
+    assert torch.equal(grid[:, width // 2 : 3 * width // 4].reshape(-1), src)
+    assert bool((grid[:, : width // 2] == 7).all()) and bool((grid[:, 3 * width // 4 :] == 0).all())
+    assert resident == pytest.approx(0.75, abs=0.02)  # the last quarter was never faulted in
+    del grid, dst
+    keep.close()
+
+
+def test_prefault_keyword_reaches_the_engine(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``prefault=False`` (or STREAMLOAD_PREFAULT=0 when the keyword is not given) turns it off,
+    on a native engine and on one wrapping it."""
+
+    class Wrapper:
+        def __init__(self, engine: object) -> None:
+            self.engine = engine
+
+    monkeypatch.delenv("STREAMLOAD_PREFAULT", raising=False)
+    native = _native.CopyEngine(1)
+    populate_on_copy(native, False)
+    assert not native.populate
+    populate_on_copy(Wrapper(native), None)
+    assert native.populate
+    monkeypatch.setenv("STREAMLOAD_PREFAULT", "0")
+    populate_on_copy(native, None)
+    assert not native.populate
+    populate_on_copy(native, True)
+    assert native.populate
+    populate_on_copy(object(), False)  # an engine without the switch (a remote one's own): nothing
