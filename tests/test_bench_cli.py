@@ -43,7 +43,14 @@ def test_bench_writes_json_table_and_plot(tmp_path: Path) -> None:
     )
     rows = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
     # The floors of a warm load are measured beside any streamload strategy.
-    assert [r["strategy"] for r in rows] == ["streamload", "rank0_broadcast", "dcp_hf", "floor", "floor_thp"]
+    assert [r["strategy"] for r in rows] == [
+        "streamload",
+        "rank0_broadcast",
+        "dcp_hf",
+        "floor",
+        "floor_thp",
+        "floor_populate",
+    ]
     for r in rows:
         assert r["world"] == 2 and r["label"] == "tiny"
         assert set(r) >= {
@@ -75,7 +82,10 @@ def test_bench_writes_json_table_and_plot(tmp_path: Path) -> None:
     assert floor["ok"] and floor["correct"] is None  # nothing to verify: it loads no model
     assert floor["shard_bytes"] == stream["shard_bytes"]  # the same bytes, copied once
     # Ratios to the floors, and every phase streamload and the floors report (rank 0's medians).
-    assert "first step vs floor / floor_thp" in table and "| phase (rank 0, median s) |" in table
+    assert (
+        "first step vs floor / floor_thp / floor_populate" in table
+        and "| phase (rank 0, median s) |" in table
+    )
     assert "| &nbsp;&nbsp;stream.pack |" in table and "| copy |" in table and "| sum of phases |" in table
     assert set(stream["phases"]) >= {"open", "materialize", "stream", "finalize"}
     assert (out / "memory.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -218,7 +228,7 @@ def test_options_reach_the_streamload_strategy(tmp_path: Path) -> None:
     ]
     assert main([*argv, "--options", "read_mode=cold", "prefault=False"]) == 0
     runs = [json.loads(line) for line in (out / "runs.jsonl").read_text().splitlines()]
-    assert [r["strategy"] for r in runs] == ["streamload", "floor", "floor_thp"]
+    assert [r["strategy"] for r in runs] == ["streamload", "floor", "floor_thp", "floor_populate"]
     row = runs[0]
     assert row["ok"], row["error"]
     assert row["options"] == {"read_mode": "cold", "prefault": False}

@@ -287,11 +287,14 @@ class FloorReport:
         self.phases = phases
 
 
-def _floor(huge: bool) -> Callable[[str, Any, torch.dtype, dict[str, Any]], nn.Module]:
-    """The floor of a warm load on this rank: allocate its shard bytes (one fresh buffer, 4 KiB
-    pages, or transparent huge pages where ``huge``: ``madvise(MADV_HUGEPAGE)`` before the copy)
-    and copy them from mappings of the page-cached files in one pass (``shard_ranges``, one
-    thread). What any loader must at least do: fault in fresh memory and copy every byte once."""
+def _floor(pages: str) -> Callable[[str, Any, torch.dtype, dict[str, Any]], nn.Module]:
+    """The floor of a warm load on this rank: allocate its shard bytes (one fresh buffer) and copy
+    them from mappings of the page-cached files in one pass (``shard_ranges``, one thread). What
+    any loader must at least do: fault in fresh memory and copy every byte once. ``pages``:
+    ``"4k"`` faults 4 KiB pages one at a time as the copy writes them; ``"thp"`` asks for
+    transparent huge pages (``madvise(MADV_HUGEPAGE)``) first; ``"populate"`` faults the 4 KiB
+    pages in with one ``madvise(MADV_POPULATE_WRITE)`` before the copy (what streamload's copy
+    engine does per piece)."""
 
     def load(ckpt: str, mesh: Any, dtype: torch.dtype, opts: dict[str, Any]) -> nn.Module:
         import mmap
@@ -299,7 +302,13 @@ def _floor(huge: bool) -> Callable[[str, Any, torch.dtype, dict[str, Any]], nn.M
 
         import numpy as np
 
-        from ...transport.prefault import HUGE_PAGE, MADV_HUGEPAGE, MADV_NOHUGEPAGE, advise
+        from ...transport.prefault import (
+            HUGE_PAGE,
+            MADV_HUGEPAGE,
+            MADV_NOHUGEPAGE,
+            MADV_POPULATE_WRITE,
+            advise,
+        )
 
         t0 = time.perf_counter()
         ranges = shard_ranges(ckpt, dist.get_rank(), dist.get_world_size())
@@ -309,7 +318,10 @@ def _floor(huge: bool) -> Callable[[str, Any, torch.dtype, dict[str, Any]], nn.M
         skip = -raw.data_ptr() % HUGE_PAGE  # huge pages need 2 MiB-aligned runs
         buf = raw[skip : skip + total]
         if total:
-            advise([(buf.data_ptr(), buf.data_ptr() + total)], MADV_HUGEPAGE if huge else MADV_NOHUGEPAGE)
+            span = [(buf.data_ptr(), buf.data_ptr() + total)]  # 2 MiB-aligned: whole pages
+            advise(span, MADV_HUGEPAGE if pages == "thp" else MADV_NOHUGEPAGE)
+            if pages == "populate":
+                advise(span, MADV_POPULATE_WRITE)
         t2 = time.perf_counter()
         dst = buf.numpy()
         at = 0
@@ -337,8 +349,9 @@ def _floor(huge: bool) -> Callable[[str, Any, torch.dtype, dict[str, Any]], nn.M
 
 # Pseudo-strategies: the floor of a warm load, measured beside the loaders (not loaders themselves).
 FLOORS: dict[str, Callable[[str, Any, torch.dtype, dict[str, Any]], nn.Module]] = {
-    "floor": _floor(huge=False),
-    "floor_thp": _floor(huge=True),
+    "floor": _floor("4k"),
+    "floor_thp": _floor("thp"),
+    "floor_populate": _floor("populate"),
 }
 
 

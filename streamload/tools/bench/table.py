@@ -7,6 +7,8 @@ from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
+from .strategies import FLOORS
+
 MiB = 1 << 20
 
 
@@ -102,9 +104,9 @@ def phase_table(rows: Sequence[dict[str, Any]]) -> str:
 
 
 def _vs_floors(rows: Sequence[dict[str, Any]], d: dict[str, Any], key: str, group_keys: Sequence[str]) -> str:
-    """``d[key]`` as a ratio to the floor's and floor_thp's in its group (``-`` where not measured)."""
+    """``d[key]`` as a ratio to each floor's in its group (``-`` where not measured)."""
     out = []
-    for floor in ("floor", "floor_thp"):
+    for floor in FLOORS:
         base = baseline_row(rows, d, floor, group_keys)
         out.append(f"{d[key] / base[key]:.2f}x" if base and base.get(key) else "-")
     return " / ".join(out)
@@ -143,8 +145,8 @@ def markdown_table(
         "overhead vs " + baseline,
         "correct",
         "tie held",
-        "load vs floor / floor_thp",
-        "first step vs floor / floor_thp",
+        f"load vs {' / '.join(FLOORS)}",
+        f"first step vs {' / '.join(FLOORS)}",
     ]
 
     def cells(d: dict[str, Any]) -> list[str]:
