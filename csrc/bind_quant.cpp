@@ -28,7 +28,8 @@ void bind_quant(py::module_& m) {
         std::vector<const MappedFile*> raw;
         for (const auto& f : files) raw.push_back(f.get());
         py::gil_scoped_release nogil;
-        return dequantize(e.pool(), raw, reinterpret_cast<const DequantOp*>(ops), ops_nbytes / sizeof(DequantOp));
+        return dequantize(e.pool(), raw, reinterpret_cast<const DequantOp*>(ops), ops_nbytes / sizeof(DequantOp),
+                          e.populate());
       },
       py::arg("engine"), py::arg("files"), py::arg("ops"), py::arg("ops_nbytes"),
       "Runs dequantizing copy ops on the engine's threads; returns the quantized bytes read.");

@@ -245,11 +245,22 @@ const char* source(const std::vector<const MappedFile*>& files, int64_t file, in
   return buf->data() - lo;
 }
 
+// Faults in the piece's destination pages at once (populate_pages) when its rows are
+// dense there: it writes at least half the bytes it spans.
+void populate_rows(const DequantOp& op, const Geometry& g, const Piece& p) {
+  if (op.dst_stride_b < 0 || op.dst_stride_r < 0 || op.dst_stride_c < 0) return;
+  const int64_t first = op.dst_offset + (p.b - op.b0) * op.dst_stride_b + (p.ra - op.r0) * op.dst_stride_r;
+  const int64_t span = (p.rb - p.ra - 1) * op.dst_stride_r + (op.nc - 1) * op.dst_stride_c + 1;
+  if (span > 2 * (p.rb - p.ra) * op.nc) return;
+  populate_pages(reinterpret_cast<char*>(op.dst) + first * g.d_isz, static_cast<size_t>(span * g.d_isz));
+}
+
 }  // namespace
 
 float e2m1_to_f32(uint8_t nibble) { return lut().e2m1[nibble & 0x0F]; }
 
-uint64_t dequantize(ThreadPool& pool, const std::vector<const MappedFile*>& files, const DequantOp* ops, size_t n) {
+uint64_t dequantize(ThreadPool& pool, const std::vector<const MappedFile*>& files, const DequantOp* ops, size_t n,
+                    bool populate) {
   for (size_t i = 0; i < n; ++i) validate(ops[i], i, files);
   (void)lut();  // built once, before the workers race for it
   std::vector<Piece> pieces;
@@ -283,6 +294,7 @@ uint64_t dequantize(ThreadPool& pool, const std::vector<const MappedFile*>& file
     const Geometry& g = geos[p.op];
     int64_t wlo, whi, slo, shi;
     spans(op, g, p, &wlo, &whi, &slo, &shi);
+    if (populate) populate_rows(op, g, p);
     thread_local std::vector<char> wbuf, sbuf;
     const MappedFile* mapped = nullptr;
     for (int64_t f : {op.w_file, op.s_file})

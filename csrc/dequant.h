@@ -53,9 +53,10 @@ constexpr int kDequantFields = sizeof(DequantOp) / sizeof(int64_t);
 static_assert(kDequantFields == 27, "DequantOp layout is part of the Python contract");
 
 // Validates every op, then dequantizes them all on the pool; returns the
-// quantized bytes (weights and scales) read.
+// quantized bytes (weights and scales) read. With `populate`, each piece's
+// destination pages are faulted in at once first (populate_pages).
 uint64_t dequantize(ThreadPool& pool, const std::vector<const MappedFile*>& files, const DequantOp* ops,
-                    size_t n);
+                    size_t n, bool populate = true);
 
 // e2m1 value of a nibble (sign bit 3), as transformers' FP4_VALUES table.
 float e2m1_to_f32(uint8_t nibble);

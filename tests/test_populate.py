@@ -31,6 +31,16 @@ def _resident(t: torch.Tensor) -> float:
     return sum(v & 1 for v in vec.raw) / len(vec.raw)
 
 
+def _can_populate() -> bool:
+    """Whether this kernel has MADV_POPULATE_WRITE (Linux >= 5.14)."""
+    probe, view = _fresh(PAGE)
+    try:
+        return advise(page_ranges([view]), MADV_POPULATE_WRITE)
+    finally:
+        del view
+        probe.close()
+
+
 def _copy(engine: object, src: torch.Tensor, dst: torch.Tensor, rows: int, cols: int, at: int) -> None:
     """Copies ``src`` (rows x cols bytes) into ``dst`` as a [rows, cols] box at column ``at`` of
     rows ``dst.numel() // rows`` wide."""
@@ -64,11 +74,8 @@ def test_populated_copy_is_exact_and_faults_its_span_in_at_once(threads: int) ->
         del grid, dst
         keep.close()
     assert resident[False] == pytest.approx(0.75, abs=0.02)
-    probe, view = _fresh(PAGE)
-    if not advise(page_ranges([view]), MADV_POPULATE_WRITE):
+    if not _can_populate():
         pytest.skip("MADV_POPULATE_WRITE is not supported by this kernel (Linux >= 5.14)")
-    del view
-    probe.close()
     assert resident[True] > 0.99
 
 
@@ -110,3 +117,35 @@ def test_prefault_keyword_reaches_the_engine(monkeypatch: pytest.MonkeyPatch) ->
     populate_on_copy(native, True)
     assert native.populate
     populate_on_copy(object(), False)  # an engine without the switch (a remote one's own): nothing
+
+
+def test_dequantized_pieces_are_populated_too() -> None:
+    """FP8 block-scaled rows dequantized into 3 of every 4 pages of a row: the 4th is faulted in
+    with populate on, left alone with it off; the values equal transformers' either way."""
+    from transformers.integrations.finegrained_fp8 import Fp8Dequantize
+
+    rows, cols, width = 64, 6 * PAGE // 4, 2 * PAGE  # bf16: a row of 4 pages, 3 of them written
+    w = (torch.randn(rows, cols) * 8).to(torch.float8_e4m3fn)
+    s = torch.rand(1, cols // 128) + 0.5  # one block row of scales
+    want = Fp8Dequantize(None)._dequantize_one(w, s, output_dtype=torch.bfloat16)
+    engine = _native.CopyEngine(2)
+    resident = {}
+    for on in (False, True):
+        engine.populate = on
+        keep, raw = _fresh(rows * width * 2)
+        dst = raw.view(torch.bfloat16)
+        batch = OpBatch()
+        batch.add_dequant(
+            kind="fp8_block", weight=(-1, w.data_ptr(), w.numel(), "F8_E4M3"),
+            scale=(-1, s.data_ptr(), s.numel() * 4, "F32"), dst=dst, dst_dtype="BF16",
+            dims=(1, rows, cols), block=(128, 128), box=((0, 1), (0, rows), (0, cols)),
+            dst_offset=0, dst_strides=(rows * width, width, 1),
+        )  # fmt: skip
+        batch.execute(engine, [])
+        resident[on] = _resident(raw)
+        assert torch.equal(dst.view(rows, width)[:, :cols], want)
+        del dst, raw
+        keep.close()
+    assert resident[False] == pytest.approx(0.75, abs=0.02)
+    if _can_populate():
+        assert resident[True] > 0.99

@@ -117,9 +117,10 @@ def load_checkpoint(
             (O_DIRECT where the file system allows it, buffered where it refuses; for disks where
             O_DIRECT measures faster, or a reader short of CPU) or False (buffered, even with
             ``drop_cache``: each window is dropped behind the reader).
-        prefault: fault in the pages of freshly allocated CPU shards on a helper thread while the
-            pipeline waits (``madvise(MADV_POPULATE_WRITE)``, Linux >= 5.14). None (the default):
-            on, unless STREAMLOAD_PREFAULT=0; False: off.
+        prefault: fault in the pages of freshly allocated CPU shards ahead of their copy
+            (``madvise(MADV_POPULATE_WRITE)``, Linux >= 5.14): the native engine before each piece
+            it copies, and in ``src`` mode a helper thread on the receivers' shards. None (the
+            default): on, unless STREAMLOAD_PREFAULT=0; False: off.
         node: this process's node id, which ``readers="node"`` / ``"auto"`` group ranks by. None
             (the default): STREAMLOAD_NODE if set, else torchrun's GROUP_RANK, else the host name;
             pass it where ranks on one host should count as separate nodes or the host name

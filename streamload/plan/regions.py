@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from functools import cached_property
 
 from ..errors import MappingError
 
@@ -37,7 +38,7 @@ class SourcePiece:
     src_start: tuple[int, ...]
     dims: tuple[int | None, ...]
 
-    @property
+    @cached_property  # read per piece by every tiling check and region walk: built once
     def dst_box(self) -> Box:
         return tuple((s, s + n) for s, n in zip(self.dst_start, self.shape, strict=True))
 
