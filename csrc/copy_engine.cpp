@@ -3,12 +3,15 @@
 #include <algorithm>
 #include <cstring>
 
-#include <errno.h>
 #include <sched.h>
 #include <setjmp.h>
 #include <signal.h>
 #include <sys/mman.h>
 #include <unistd.h>
+
+#ifndef MADV_POPULATE_WRITE
+#define MADV_POPULATE_WRITE 23  // linux/mman.h, Linux >= 5.14
+#endif
 
 #include <atomic>
 #include <mutex>
@@ -318,15 +321,6 @@ struct Piece {
   int64_t src_offset, dst_offset;  // elements
 };
 
-#ifndef MADV_POPULATE_WRITE
-#define MADV_POPULATE_WRITE 23  // linux/mman.h, Linux >= 5.14
-#endif
-
-std::atomic<bool> g_can_populate{true};
-
-// Pieces whose destination spans less than this are left to fault as they are written.
-constexpr int64_t kPopulateMinBytes = 64 << 10;
-
 // Populates the pages a piece writes, when its destination is dense (it writes at least half
 // of the bytes it spans): a sparse piece (a column of a wide row) leaves its pages to others.
 void populate_piece(char* dst, const Region& r, int64_t di) {
@@ -409,22 +403,34 @@ void pread_region(const MappedFile* f, DType sd, DType dd, int64_t at, char* dst
 
 }  // namespace
 
+namespace {
+
+// Whether the kernel has MADV_POPULATE_WRITE (Linux >= 5.14), asked once on a page of our own:
+// an EINVAL on a caller's range later means that range (say, an I/O mapping), not the kernel.
+bool kernel_can_populate() {
+  static const bool can = [] {
+    long page = sysconf(_SC_PAGESIZE);
+    void* p = mmap(nullptr, static_cast<size_t>(page), PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (p == MAP_FAILED) return false;
+    bool ok = madvise(p, static_cast<size_t>(page), MADV_POPULATE_WRITE) == 0;
+    munmap(p, static_cast<size_t>(page));
+    return ok;
+  }();
+  return can;
+}
+
+}  // namespace
+
 bool populate_pages(char* dst, size_t nbytes) {
-  if (!g_can_populate.load(std::memory_order_relaxed)) return false;
+  if (!kernel_can_populate()) return false;
   static const uintptr_t page = static_cast<uintptr_t>(sysconf(_SC_PAGESIZE));
   // Whole pages only: a page shared with a neighbour is left to fault as it is written.
   uintptr_t a = (reinterpret_cast<uintptr_t>(dst) + page - 1) / page * page;
   uintptr_t b = (reinterpret_cast<uintptr_t>(dst) + nbytes) / page * page;
   if (b <= a) return true;
-  if (madvise(reinterpret_cast<void*>(a), b - a, MADV_POPULATE_WRITE) != 0) {
-    // EINVAL: a kernel without it. Anything else (a range it cannot populate) is the
-    // copy's to meet: its writes fault those pages as they would have.
-    if (errno == EINVAL || errno == ENOSYS) {
-      g_can_populate.store(false, std::memory_order_relaxed);
-      return false;
-    }
-  }
-  return true;
+  // A range it cannot populate (an I/O mapping, no write permission) is the copy's to meet:
+  // its writes fault those pages as they would have.
+  return madvise(reinterpret_cast<void*>(a), b - a, MADV_POPULATE_WRITE) == 0;
 }
 
 size_t default_threads() {

@@ -83,14 +83,17 @@ class CopyEngine {
   std::atomic<bool> populate_{true};
 };
 
+// Pieces whose destination spans less than this are left to fault as they are written.
+constexpr int64_t kPopulateMinBytes = 64 << 10;
+
 // Faults in the whole pages of [dst, dst + nbytes) writable, in one
 // madvise(MADV_POPULATE_WRITE) call, without changing a byte. A page that a
 // copy would fault in on first write costs a trap per 4 KiB page; in one call
-// the kernel takes them back to back (measured on the dev VM: 700 MiB of fresh
-// memory filled by memcpy in 0.46 s, populated then copied in 0.24 s). Only
-// for memory about to be written: a page of a private file mapping becomes a
-// private copy, as the write would make it. Returns false where the kernel
-// lacks it (before Linux 5.14), after which it is not tried again.
+// the kernel takes them back to back (`python benchmarks/bench_first_touch.py`
+// measures the engine both ways). Only for memory about to be written: a page
+// of a private file mapping becomes a private copy, as the write would make it.
+// Returns false where the kernel lacks it (before Linux 5.14, asked once) or
+// refuses this range; the copy's writes then fault the pages as before.
 bool populate_pages(char* dst, size_t nbytes);
 
 // Installs the SIGBUS handler that run_guarded relies on (idempotent).

@@ -251,7 +251,7 @@ void populate_rows(const DequantOp& op, const Geometry& g, const Piece& p) {
   if (op.dst_stride_b < 0 || op.dst_stride_r < 0 || op.dst_stride_c < 0) return;
   const int64_t first = op.dst_offset + (p.b - op.b0) * op.dst_stride_b + (p.ra - op.r0) * op.dst_stride_r;
   const int64_t span = (p.rb - p.ra - 1) * op.dst_stride_r + (op.nc - 1) * op.dst_stride_c + 1;
-  if (span > 2 * (p.rb - p.ra) * op.nc) return;
+  if (span * g.d_isz < kPopulateMinBytes || span > 2 * (p.rb - p.ra) * op.nc) return;
   populate_pages(reinterpret_cast<char*>(op.dst) + first * g.d_isz, static_cast<size_t>(span * g.d_isz));
 }
 

@@ -92,8 +92,18 @@ def test_the_load_passes_its_prefault_keyword_on(
         seen.append(enabled)
         return real(tensors, enabled)
 
+    populated: list[bool] = []
+    real_populate = stream.populate_on_copy
+
+    def spy_populate(engine: object, enabled: bool | None = None) -> None:
+        real_populate(engine, enabled)
+        populated.append(engine.populate)  # type: ignore[attr-defined]
+
     monkeypatch.setattr(stream, "prefault", spy)
+    monkeypatch.setattr(stream, "populate_on_copy", spy_populate)
     model = nn.Linear(4, 6)
     streamload.load_checkpoint(model, tmp_path, progress=False, prefault=keyword)
     assert seen == [asked]
+    # The copy engine's per-piece populate follows the same keyword and variable.
+    assert populated == [keyword is not False and env != "0"]
     assert torch.equal(model.weight, weights["weight"]) and torch.equal(model.bias, weights["bias"])

@@ -122,9 +122,10 @@ def populate_on_copy(engine: Any, enabled: bool | None = None) -> None:
     in each piece's destination pages in one ``madvise(MADV_POPULATE_WRITE)`` right before
     copying it (``populate_pages`` in csrc/copy_engine.h; on unless ``prefault`` is off).
 
-    The same faults a copy takes page by page, taken in one call: on the dev VM that halves
-    the cost of filling fresh memory (``benchmarks/bench_first_touch.py``). It never changes
-    a byte and needs no helper thread, so it holds on every reader, ``src`` and ``owners`` alike.
+    The same faults a copy takes page by page, taken in one call
+    (``python benchmarks/bench_first_touch.py`` measures the engine both ways). It never
+    changes a byte and needs no helper thread: it holds wherever the engine copies, on
+    ``src`` and ``owners`` readers alike (a cold read that lands in place writes without it).
 
     Example:
         >>> populate_on_copy(checkpoint.engine, options.prefault)

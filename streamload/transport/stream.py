@@ -83,7 +83,8 @@ def scatter(
         if source is not None:
             packer = Packer(source, plan, shards.locals_, shards.fallbacks, shards.skip, shards.quant)
             packer.announce_reads()
-            populate_on_copy(source.engine, shards.prefault)
+            # Off for a GPU's pinned staging slots: written over and over, their pages stay in.
+            populate_on_copy(source.engine, shards.prefault if device.type == "cpu" else False)
     except BaseException as exc:  # noqa: BLE001 - every rank must hear of it (see _stream)
         setup = exc
     status = status or open_status_route(group, device, create=False)
@@ -139,7 +140,7 @@ def read_owned(
         with tl.span("setup"):
             packer = Packer(source, plan, locals_, shards.fallbacks, shards.skip, shards.quant)
             packer.announce_reads(row)
-            populate_on_copy(source.engine, shards.prefault)
+            populate_on_copy(source.engine, shards.prefault if device.type == "cpu" else False)
             bar = _progress_bar(sum(s.nbytes for b in plan.buckets for s in b.segments[row]), shards.progress)
             if plan.buckets:
                 # Shards on the CPU (FSDP2 offload too) are filled in place: nothing stages there.

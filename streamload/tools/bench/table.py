@@ -7,8 +7,6 @@ from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
-from .strategies import FLOORS
-
 MiB = 1 << 20
 
 
@@ -105,6 +103,8 @@ def phase_table(rows: Sequence[dict[str, Any]]) -> str:
 
 def _vs_floors(rows: Sequence[dict[str, Any]], d: dict[str, Any], key: str, group_keys: Sequence[str]) -> str:
     """``d[key]`` as a ratio to each floor's in its group (``-`` where not measured)."""
+    from .strategies import FLOORS  # here: the table's other users need no torch
+
     out = []
     for floor in FLOORS:
         base = baseline_row(rows, d, floor, group_keys)
@@ -131,6 +131,8 @@ def markdown_table(
     rows: Sequence[dict[str, Any]], group_keys: Sequence[str], baseline: str = "rank0_broadcast"
 ) -> str:
     """One line per run; time and overhead ratios against ``baseline`` in the same group."""
+    from .strategies import FLOORS  # here: the table's other users need no torch
+
     head = [
         *group_keys,
         "ranks",
