@@ -4,11 +4,12 @@ timed), and sparse destinations are left to fault as they are written."""
 
 from __future__ import annotations
 
-import ctypes
 import mmap
+from collections.abc import Callable
 
 import pytest
 import torch
+from pages import resident
 
 from streamload.io import _native
 from streamload.io.copy_ops import OpBatch
@@ -29,16 +30,6 @@ def _fresh(nbytes: int) -> tuple[mmap.mmap, torch.Tensor]:
     t = torch.frombuffer(m, dtype=torch.uint8)
     advise(page_ranges([t]), MADV_NOHUGEPAGE)
     return m, t
-
-
-def _resident(t: torch.Tensor) -> float:
-    """Fraction of the tensor's pages present in memory (mincore)."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p]
-    (a, b), *_ = page_ranges([t])
-    vec = ctypes.create_string_buffer((b - a) // PAGE)
-    assert libc.mincore(a, b - a, vec) == 0, ctypes.get_errno()
-    return sum(v & 1 for v in vec.raw) / len(vec.raw)
 
 
 def _can_populate() -> bool:
@@ -63,6 +54,31 @@ def _copy(engine: object, src: torch.Tensor, dst: torch.Tensor, rows: int, cols:
     batch.execute(engine, [])
 
 
+def _off_then_on(
+    engine: object, nbytes: int, write: Callable[[torch.Tensor], None], check: Callable[[torch.Tensor], None]
+) -> dict[bool, float]:
+    """Runs ``write`` into fresh memory with populate off, then on; returns the residency after
+    each (measured before ``check`` reads anything the write skipped)."""
+    seen = {}
+    for on in (False, True):
+        engine.populate = on  # type: ignore[attr-defined]
+        keep, dst = _fresh(nbytes)
+        write(dst)
+        seen[on] = resident(dst)
+        check(dst)
+        del dst
+        keep.close()
+    return seen
+
+
+def _assert_span_populated(seen: dict[bool, float]) -> None:
+    """Off, the row's 4th page was never touched; on, the madvise faulted it in with the rest."""
+    assert seen[False] == pytest.approx(0.75, abs=0.02)
+    if not _can_populate():
+        pytest.skip("MADV_POPULATE_WRITE is not supported by this kernel (Linux >= 5.14)")
+    assert seen[True] > 0.99
+
+
 @pytest.mark.parametrize("threads", [1, 2])
 def test_populated_copy_is_exact_and_faults_its_span_in_at_once(threads: int) -> None:
     """Rows of 4 pages, the box writing the first 3 of each: dense enough to populate, so the
@@ -72,21 +88,15 @@ def test_populated_copy_is_exact_and_faults_its_span_in_at_once(threads: int) ->
     assert engine.populate  # the default
     rows, width, cols = 256, 4 * PAGE, 3 * PAGE
     src = torch.randint(0, 256, (rows * cols,), dtype=torch.uint8)
-    resident = {}
-    for on in (False, True):
-        engine.populate = on
-        keep, dst = _fresh(rows * width)
-        _copy(engine, src, dst, rows, cols, 0)
-        resident[on] = _resident(dst)  # before anything reads the pages the copy skipped
+
+    def check(dst: torch.Tensor) -> None:
         grid = dst.view(rows, width)
         assert torch.equal(grid[:, :cols].reshape(-1), src)
         assert not bool(grid[:, cols:].any())
-        del grid, dst
-        keep.close()
-    assert resident[False] == pytest.approx(0.75, abs=0.02)
-    if not _can_populate():
-        pytest.skip("MADV_POPULATE_WRITE is not supported by this kernel (Linux >= 5.14)")
-    assert resident[True] > 0.99
+
+    _assert_span_populated(
+        _off_then_on(engine, rows * width, lambda dst: _copy(engine, src, dst, rows, cols, 0), check)
+    )
 
 
 def test_sparse_destination_is_left_to_fault_and_neighbours_keep_their_bytes() -> None:
@@ -98,11 +108,11 @@ def test_sparse_destination_is_left_to_fault_and_neighbours_keep_their_bytes() -
     dst.view(rows, width)[:, : width // 2].fill_(7)  # half the pages now hold data
     src = torch.randint(0, 256, (rows * width // 4,), dtype=torch.uint8)
     _copy(engine, src, dst, rows, width // 4, width // 2)
-    resident = _resident(dst)
+    share = resident(dst)
     grid = dst.view(rows, width)
     assert torch.equal(grid[:, width // 2 : 3 * width // 4].reshape(-1), src)
     assert bool((grid[:, : width // 2] == 7).all()) and bool((grid[:, 3 * width // 4 :] == 0).all())
-    assert resident == pytest.approx(0.75, abs=0.02)  # the last quarter was never faulted in
+    assert share == pytest.approx(0.75, abs=0.02)  # the last quarter was never faulted in
     del grid, dst
     keep.close()
 
@@ -139,27 +149,21 @@ def test_dequantized_pieces_are_populated_too() -> None:
     s = torch.rand(1, cols // 128) + 0.5  # one block row of scales
     want = Fp8Dequantize(None)._dequantize_one(w, s, output_dtype=torch.bfloat16)
     engine = _native.CopyEngine(2)
-    resident = {}
-    for on in (False, True):
-        engine.populate = on
-        keep, raw = _fresh(rows * width * 2)
-        dst = raw.view(torch.bfloat16)
+
+    def write(raw: torch.Tensor) -> None:
         batch = OpBatch()
         batch.add_dequant(
             kind="fp8_block", weight=(-1, w.data_ptr(), w.numel(), "F8_E4M3"),
-            scale=(-1, s.data_ptr(), s.numel() * 4, "F32"), dst=dst, dst_dtype="BF16",
+            scale=(-1, s.data_ptr(), s.numel() * 4, "F32"), dst=raw.view(torch.bfloat16), dst_dtype="BF16",
             dims=(1, rows, cols), block=(128, 128), box=((0, 1), (0, rows), (0, cols)),
             dst_offset=0, dst_strides=(rows * width, width, 1),
         )  # fmt: skip
         batch.execute(engine, [])
-        resident[on] = _resident(raw)
-        assert torch.equal(dst.view(rows, width)[:, :cols], want)
-        del dst, raw
-        keep.close()
-    assert resident[False] == pytest.approx(0.75, abs=0.02)
-    if not _can_populate():
-        pytest.skip("MADV_POPULATE_WRITE is not supported by this kernel (Linux >= 5.14)")
-    assert resident[True] > 0.99
+
+    def check(raw: torch.Tensor) -> None:
+        assert torch.equal(raw.view(torch.bfloat16).view(rows, width)[:, :cols], want)
+
+    _assert_span_populated(_off_then_on(engine, rows * width * 2, write, check))
 
 
 def test_unaligned_destination_populates_only_its_own_whole_pages() -> None:

@@ -2,29 +2,19 @@
 
 from __future__ import annotations
 
-import ctypes
 import threading
 from pathlib import Path
 
 import pytest
 import torch
+from pages import resident
 
 from streamload.transport.prefault import PAGE, page_ranges, prefault
 
 
-def _resident(t: torch.Tensor) -> float:
-    """Fraction of the tensor's pages that are resident (mincore on its memory)."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p]
-    (a, b), *_ = page_ranges([t])
-    vec = ctypes.create_string_buffer((b - a) // PAGE)
-    assert libc.mincore(a, b - a, vec) == 0, ctypes.get_errno()
-    return sum(v & 1 for v in vec.raw) / len(vec.raw)
-
-
 def test_prefault_populates_fresh_memory_without_changing_it(monkeypatch: pytest.MonkeyPatch) -> None:
     fresh = torch.empty(48 << 20, dtype=torch.uint8)  # large: its own mapping, no pages yet
-    if _resident(fresh) > 0.5:
+    if resident(fresh) > 0.5:
         pytest.skip("the allocator handed out memory that was already touched")
     written = torch.empty(16 << 20, dtype=torch.uint8)
     worker = prefault([fresh, written])
@@ -35,7 +25,7 @@ def test_prefault_populates_fresh_memory_without_changing_it(monkeypatch: pytest
     worker.join(30)
     assert not worker.is_alive()
     assert torch.equal(written, pattern)
-    populated = _resident(fresh)
+    populated = resident(fresh)
     if populated < 0.99:
         pytest.skip(f"MADV_POPULATE_WRITE not supported here (resident {populated:.0%})")
 
