@@ -321,8 +321,7 @@ struct Piece {
   int64_t src_offset, dst_offset;  // elements
 };
 
-// Populates the pages a piece writes, when its destination is dense (it writes at least half
-// of the bytes it spans): a sparse piece (a column of a wide row) leaves its pages to others.
+// Populates the pages a piece writes (populate_dense) from its coalesced region.
 void populate_piece(char* dst, const Region& r, int64_t di) {
   int64_t span = 1, written = 1;
   for (int k = 0; k < r.ndim; ++k) {
@@ -330,8 +329,7 @@ void populate_piece(char* dst, const Region& r, int64_t di) {
     span += (r.shape[k] - 1) * r.ds[k];
     written *= r.shape[k];
   }
-  if (span * di < kPopulateMinBytes || span > 2 * written) return;
-  populate_pages(dst, static_cast<size_t>(span * di));
+  populate_dense(dst, span * di, written * di);
 }
 
 // A pread piece's bounce buffer never holds more than this: the rows of a column shard lie
@@ -431,6 +429,11 @@ bool populate_pages(char* dst, size_t nbytes) {
   // A range it cannot populate (an I/O mapping, no write permission) is the copy's to meet:
   // its writes fault those pages as they would have.
   return madvise(reinterpret_cast<void*>(a), b - a, MADV_POPULATE_WRITE) == 0;
+}
+
+void populate_dense(char* dst, int64_t span_bytes, int64_t written_bytes) {
+  if (span_bytes < kPopulateMinBytes || span_bytes > 2 * written_bytes) return;
+  populate_pages(dst, static_cast<size_t>(span_bytes));
 }
 
 size_t default_threads() {

@@ -96,6 +96,11 @@ constexpr int64_t kPopulateMinBytes = 64 << 10;
 // refuses this range; the copy's writes then fault the pages as before.
 bool populate_pages(char* dst, size_t nbytes);
 
+// populate_pages for a piece that spans `span_bytes` from dst and writes `written_bytes` of
+// them, when it is worth it: at least kPopulateMinBytes, and dense (it writes at least half
+// of what it spans; a sparse piece, a column of wide rows, leaves its pages to others).
+void populate_dense(char* dst, int64_t span_bytes, int64_t written_bytes);
+
 // Installs the SIGBUS handler that run_guarded relies on (idempotent).
 void install_bus_handler();
 

@@ -245,14 +245,13 @@ const char* source(const std::vector<const MappedFile*>& files, int64_t file, in
   return buf->data() - lo;
 }
 
-// Faults in the piece's destination pages at once (populate_pages) when its rows are
-// dense there: it writes at least half the bytes it spans.
+// Faults in the destination pages of the piece's rows at once (populate_dense).
 void populate_rows(const DequantOp& op, const Geometry& g, const Piece& p) {
   if (op.dst_stride_b < 0 || op.dst_stride_r < 0 || op.dst_stride_c < 0) return;
   const int64_t first = op.dst_offset + (p.b - op.b0) * op.dst_stride_b + (p.ra - op.r0) * op.dst_stride_r;
   const int64_t span = (p.rb - p.ra - 1) * op.dst_stride_r + (op.nc - 1) * op.dst_stride_c + 1;
-  if (span * g.d_isz < kPopulateMinBytes || span > 2 * (p.rb - p.ra) * op.nc) return;
-  populate_pages(reinterpret_cast<char*>(op.dst) + first * g.d_isz, static_cast<size_t>(span * g.d_isz));
+  populate_dense(reinterpret_cast<char*>(op.dst) + first * g.d_isz, span * g.d_isz,
+                 (p.rb - p.ra) * op.nc * g.d_isz);
 }
 
 }  // namespace
