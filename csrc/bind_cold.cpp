@@ -42,9 +42,13 @@ void bind_cold(py::module_& m) {
   m.attr("RANGE_FIELDS") = kRangeFields;
   m.def(
       "residency",
-      [](const std::string& path, uint64_t offset, uint64_t length) { return residency(path, offset, length); },
-      py::arg("path"), py::arg("offset") = 0, py::arg("length") = 0, py::call_guard<py::gil_scoped_release>(),
-      "(resident pages, total pages) of [offset, offset + length) of the file; length 0: to the end.");
+      [](const std::string& path, uint64_t offset, uint64_t length, uint64_t sample_pages) {
+        return residency(path, offset, length, sample_pages);
+      },
+      py::arg("path"), py::arg("offset") = 0, py::arg("length") = 0, py::arg("sample_pages") = 0,
+      py::call_guard<py::gil_scoped_release>(),
+      "(resident pages, pages probed) of [offset, offset + length) of the file; length 0: to the end. "
+      "sample_pages > 0: about that many pages, in windows spread evenly over a longer range.");
   m.def("evict", &evict, py::arg("path"), py::arg("offset") = 0, py::arg("length") = 0, py::arg("sync") = true,
         py::call_guard<py::gil_scoped_release>(),
         "Drops the file's pages from the page cache (POSIX_FADV_DONTNEED), after writing back dirty ones.");

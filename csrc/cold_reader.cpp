@@ -121,26 +121,42 @@ DirectMode parse_direct_mode(const std::string& s) {
   return DirectMode::Auto;
 }
 
-std::pair<uint64_t, uint64_t> residency(const std::string& path, uint64_t offset, uint64_t length) {
+std::pair<uint64_t, uint64_t> residency(const std::string& path, uint64_t offset, uint64_t length,
+                                        uint64_t sample_pages) {
   Fds f(path, DirectMode::Off);
   if (offset >= f.size) return {0, 0};
   uint64_t end = length == 0 ? f.size : std::min(f.size, offset + std::min(length, f.size - offset));
   uint64_t page = static_cast<uint64_t>(::sysconf(_SC_PAGESIZE));
   uint64_t lo = offset / page * page;
   uint64_t span = end - lo;
+  uint64_t pages = (span + page - 1) / page;
   void* p = ::mmap(nullptr, span, PROT_READ, MAP_SHARED, f.buffered, static_cast<off_t>(lo));
   if (p == MAP_FAILED) throw FileError(errno_text("mmap failed"), path);
-  std::vector<unsigned char> vec((span + page - 1) / page);
-  int rc = ::mincore(p, span, vec.data());
-  int err = errno;
-  ::munmap(p, span);
-  if (rc != 0) {
-    errno = err;
-    throw FileError(errno_text("mincore failed"), path);
+  // Every page, or (sampled) windows of kResidencyWindow pages spread evenly from the
+  // first page to the last: the cost stays flat in the file's size.
+  uint64_t window = pages;
+  uint64_t windows = 1;
+  if (sample_pages > 0 && pages > sample_pages) {
+    window = std::min<uint64_t>(kResidencyWindow, sample_pages);
+    windows = std::max<uint64_t>(sample_pages / window, 2);
   }
-  uint64_t resident = 0;
-  for (unsigned char v : vec) resident += v & 1;
-  return {resident, vec.size()};
+  std::vector<unsigned char> vec(window);
+  uint64_t resident = 0, probed = 0;
+  for (uint64_t i = 0; i < windows; ++i) {
+    uint64_t first = windows == 1 ? 0 : i * (pages - window) / (windows - 1);
+    uint64_t n = std::min(window, pages - first);
+    uint64_t bytes = std::min(n * page, span - first * page);
+    if (::mincore(static_cast<char*>(p) + first * page, bytes, vec.data()) != 0) {
+      int err = errno;
+      ::munmap(p, span);
+      errno = err;
+      throw FileError(errno_text("mincore failed"), path);
+    }
+    for (uint64_t k = 0; k < n; ++k) resident += vec[k] & 1;
+    probed += n;
+  }
+  ::munmap(p, span);
+  return {resident, probed};
 }
 
 void evict(const std::string& path, uint64_t offset, uint64_t length, bool sync) {

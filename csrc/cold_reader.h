@@ -45,8 +45,12 @@ struct ReadStats {
 };
 
 // Pages of [offset, offset + length) of the file in the page cache (length 0:
-// to the end). Returns {resident pages, total pages}.
-std::pair<uint64_t, uint64_t> residency(const std::string& path, uint64_t offset, uint64_t length);
+// to the end). Returns {resident pages, pages probed}: every page, or with
+// sample_pages > 0 and a longer range, about that many pages in windows of
+// kResidencyWindow spread evenly over the range (first and last included).
+constexpr uint64_t kResidencyWindow = 16;
+std::pair<uint64_t, uint64_t> residency(const std::string& path, uint64_t offset, uint64_t length,
+                                        uint64_t sample_pages = 0);
 
 // Drops the file's pages in [offset, offset + length) from the page cache
 // (length 0: to the end). `sync` first writes back dirty pages (a file just

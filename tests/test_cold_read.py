@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import struct
+import time
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +22,7 @@ except ImportError:
     from streamload import _native as native  # type: ignore[no-redef]
 
 import streamload.errors as errors
+from streamload.io import cold
 
 ext: Any = getattr(native, "_ext", native)
 ALIGN = int(ext.DIRECT_ALIGN)
@@ -287,6 +289,45 @@ def test_residency_evict_and_drop_behind(tmp_path: Path) -> None:
     stats = _check_all(ext.ColdReader(direct="auto"), p)
     if stats["direct_windows"]:
         assert stats["resident"] < 0.01  # O_DIRECT bypasses it
+
+
+def _settled(p: Path) -> tuple[int, int]:
+    """The exact (resident, pages) once the kernel's readahead has stopped adding pages."""
+    last = ext.residency(str(p))
+    for _ in range(50):
+        time.sleep(0.02)
+        now = ext.residency(str(p))
+        if now == last:
+            return now
+        last = now
+    return last
+
+
+def test_sampled_residency_tracks_the_exact_count(tmp_path: Path) -> None:
+    """Sampled mincore (what ``read_mode="auto"`` decides on) probes about the pages asked for,
+    first and last windows included, and estimates the cached fraction of a partly read file."""
+    p = tmp_path / "big.safetensors"
+    save_file(_tensors(4, [3 << 20]), str(p))  # 1537 pages
+    ext.evict(str(p))
+    if _resident(p) > 0.01:
+        pytest.skip("this file system keeps pages after POSIX_FADV_DONTNEED")
+    size = p.stat().st_size
+    with open(p, "rb") as f:
+        f.read(size // 3)  # the first third (and the kernel's readahead past it)
+    exact, pages = _settled(p)
+    got, probed = ext.residency(str(p), 0, 0, 256)
+    assert pages == (size + 4095) // 4096 and 240 <= probed <= 256
+    assert abs(got / probed - exact / pages) < 0.05
+    assert cold.residency([p], 256) == pytest.approx(exact / pages, abs=0.05)
+    assert ext.residency(str(p), 0, 0, 10**6) == (exact, pages)  # more than the file: every page
+    ext.evict(str(p))
+    with open(p, "rb") as f:
+        f.seek(size - 4096)
+        f.read()  # only the last page
+    assert ext.residency(str(p), 0, 0, 256)[0] >= 1  # the last window reaches the last page
+    ext.evict(str(p))
+    assert cold.residency([p], 256) == 0.0
+    assert cold.choose_read_mode("auto", [p]) == "cold"
 
 
 def test_probe_reads_every_byte_once(tmp_path: Path) -> None:

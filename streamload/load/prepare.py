@@ -571,7 +571,7 @@ def _check_and_materialize(
             and _on_readers_host(choice, group_rank, src_group_rank)
         ):
             # The reader's very files (auto's choice rests on their identity), on its host: their
-            # page-cache residency is the one the reader just measured (mincore, ~0.02 s per GB).
+            # page-cache residency is the one the reader just measured (mincore on about 16 MiB of pages per file).
             read_mode = meta.read_mode
         local.source = as_source(path, read_mode, threads, options.drop_cache, options.direct_io)
         # Not the files auto's choice rests on (replaced since the reader opened its own): the
