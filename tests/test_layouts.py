@@ -79,3 +79,18 @@ def test_plan_over_served_ranks_only() -> None:
     # Ranks 0-3 tile the tensor once, ranks 4-7 (the next replica) once more.
     rows = sorted(r for b in plan.buckets for k in range(8) for s in b.segments[k] for r in range(*s.box[0]))
     assert rows == sorted(list(range(8)) * 2)
+
+
+def test_cached_layouts_keep_strided_and_plain_shards_apart() -> None:
+    """local_layout is cached per (shape, mesh, placements, coordinate): a _StridedShard and a
+    Shard on the same dim, asked in either order, keep their own layouts; lists and tuples
+    for the same arguments give the same answer."""
+    shape, mesh = (8, 4), (2, 2)
+    plain = (Shard(0), Shard(0))
+    strided = (Shard(0), _StridedShard(0, split_factor=2))
+    want_strided = ((((1, 2), (0, 4)), (0, 0)), (((3, 4), (0, 4)), (1, 0)))
+    for _ in range(2):
+        assert local_parts(shape, mesh, plain, (0, 1)) == ((((2, 4), (0, 4)), (0, 0)),)
+        assert local_parts(shape, mesh, strided, (0, 1)) == want_strided
+    assert local_layout([8, 4], [2, 2], list(strided), [0, 1]) == local_layout(shape, mesh, strided, (0, 1))
+    assert local_layout(shape, mesh, plain, None) == ((), (0, 0))

@@ -166,6 +166,23 @@ def local_layout(
         >>> local_layout((1, 3), (2, 2), (Shard(0), Shard(0)), (1, 0))
         ((), (0, 3))
     """
+    key = (
+        tuple(int(n) for n in shape),
+        tuple(int(n) for n in mesh_shape),
+        tuple((type(p), p) for p in placements),  # the type too: a _StridedShard is a Shard
+        None if coord is None else tuple(int(c) for c in coord),
+    )
+    return _local_layout(*key)
+
+
+@lru_cache(maxsize=4096)  # a model's layers repeat a few shapes: one walk per shape
+def _local_layout(
+    shape: tuple[int, ...],
+    mesh_shape: tuple[int, ...],
+    typed: tuple[tuple[type, Any], ...],
+    coord: tuple[int, ...] | None,
+) -> tuple[tuple[Part, ...], tuple[int, ...]]:
+    placements = [p for _, p in typed]
     ndim = len(shape)
     if coord is None:
         return (), (0,) * ndim
