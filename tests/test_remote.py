@@ -147,6 +147,7 @@ def test_bad_files_are_named_errors(s3: LocalS3, tmp_path: Path) -> None:
     cases = {
         "truncated": good[: 8 + n + 10],  # data shorter than the header says
         "short": good[:5],
+        "empty": b"",  # no first byte to ask for: a HEAD gives its size
         "huge_header": struct.pack("<Q", 1 << 40) + good[8:],
     }
     lying = dict(header)
@@ -207,3 +208,37 @@ def test_aws_profile(s3: LocalS3, tmp_path: Path, monkeypatch: pytest.MonkeyPatc
     monkeypatch.setenv("AWS_PROFILE", "no-such-profile")
     with pytest.raises(RemoteError, match="no-such-profile"):
         _profile_credentials(as_remote(url, options), options)
+
+
+def test_open_asks_one_request_per_object(s3: LocalS3, tmp_path: Path) -> None:
+    """Opening costs round trips, which a real endpoint makes tens of milliseconds each: the
+    index is one GET (no HEAD first), each file's length prefix and header one ranged GET whose
+    response names the object's size and ETag, and ``from_pretrained``'s two configs are asked
+    at once, a missing one answered by its 404."""
+    from s3_proxy import FaultProxy
+
+    from streamload.io.remote import read_small
+
+    t = _tensors()
+    save_file({"a": t["a"]}, str(tmp_path / "one.safetensors"))
+    save_file({"b": t["b"], "c": t["c"]}, str(tmp_path / "two.safetensors"))
+    index = {"weight_map": {"a": "one.safetensors", "b": "two.safetensors", "c": "two.safetensors"}}
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps(index))
+    (tmp_path / "config.json").write_text('{"model_type": "llama"}')
+    url = s3.upload_dir(tmp_path, BUCKET, "round_trips")
+    with FaultProxy(s3.url) as proxy:
+        remote = as_remote(url, {**s3.storage_options, "endpoint": proxy.url})
+        ckpt = RemoteCheckpoint(remote)
+        assert sorted(ckpt.keys()) == ["a", "b", "c"]
+        assert [m for m, _, _ in proxy.log] == ["GET"] * 3
+        assert [f.file_size for f in ckpt.files] == [
+            (tmp_path / n).stat().st_size for n in ("one.safetensors", "two.safetensors")
+        ]
+        assert all(f.etag for f in ckpt.files)
+        before = len(proxy.log)
+        config, generation = read_small(remote, "config.json", "generation_config.json")
+        assert config == b'{"model_type": "llama"}' and generation is None
+        assert [(m, outcome) for m, _, outcome in proxy.log[before:]] in (
+            [("GET", 200), ("GET", 404)],
+            [("GET", 404), ("GET", 200)],
+        )

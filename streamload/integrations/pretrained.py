@@ -131,7 +131,7 @@ def _read_remote_configs(path: RemotePath) -> dict[str, Any]:
     and parsed as transformers' from_pretrained parses them (nothing is written to disk)."""
     from transformers import CONFIG_MAPPING, GenerationConfig
 
-    raw = read_small(path, "config.json")
+    raw, generation = read_small(path, "config.json", "generation_config.json")
     if raw is None:
         raise CheckpointError(
             "no config.json: from_pretrained builds the model from it",
@@ -148,7 +148,6 @@ def _read_remote_configs(path: RemotePath) -> dict[str, Any]:
         ) from exc
     config._name_or_path = path.url
     out: dict[str, Any] = {"config": config}
-    generation = read_small(path, "generation_config.json")
     if generation is not None:
         out["generation_config"] = GenerationConfig.from_dict(json.loads(generation))
     return out

@@ -439,6 +439,33 @@ class Fetcher:
         self.stats.add(len(buf), 1 + retries, retries)
         return bytes(buf)
 
+    async def get_if_any(self, key: str) -> bytes | None:
+        """A small object whole, or None when there is no such object: one request, not a HEAD first."""
+        try:
+            return await self.get_whole(key)
+        except RemoteError as exc:
+            if "no such object" in str(exc):
+                return None
+            raise
+
+    async def get_first(self, key: str, nbytes: int) -> tuple[bytes, int, str]:
+        """The first ``nbytes`` of ``key`` (all of it when shorter) with the object's size and
+        ETag from the same response: one request, and the bytes are of the version it names."""
+        import obstore
+
+        url = f"{self.remote.scheme}://{self.remote.bucket}/{key}"
+
+        async def call() -> Any:
+            resp = await obstore.get_async(self.store, key, options={"range": (0, nbytes)})
+            meta = resp.meta
+            return bytes(await resp.bytes_async()), int(meta["size"]), str(meta.get("e_tag") or "")
+
+        (buf, size, etag), retries = await self._retrying(url, f"GET bytes 0-{nbytes - 1}", call)
+        self.stats.add(len(buf), 1 + retries, retries)
+        if len(buf) != min(nbytes, size):
+            raise RemoteError(f"GET bytes 0-{nbytes - 1}: got {len(buf)} bytes of a {size}-byte object", url)
+        return buf, size, etag
+
     async def gather(self, coros: Iterable[Awaitable[T]]) -> list[T]:
         """Every coroutine; the first failure cancels the rest (none keeps writing after it)."""
         tasks = [asyncio.ensure_future(c) for c in coros]
@@ -448,15 +475,6 @@ class Fetcher:
             for t in tasks:
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
-            raise
-
-    async def exists(self, key: str) -> bool:
-        try:
-            await self.head(key)
-            return True
-        except RemoteError as exc:
-            if "no such object" in str(exc):
-                return False
             raise
 
     async def list_safetensors(self) -> list[str]:
@@ -664,7 +682,12 @@ async def _open_file(fetcher: Fetcher, remote: RemotePath, name: str) -> RemoteF
     """HEAD, then the length prefix and header by ranged GETs, validated natively."""
     key = remote.file_key(name)
     url = f"{remote.scheme}://{remote.bucket}/{key}"
-    size, etag = await fetcher.head(key)
+    try:
+        head, size, etag = await fetcher.get_first(key, HEAD_BYTES)
+    except RemoteError as exc:
+        if "416" not in str(exc):
+            raise
+        head, (size, etag) = b"", await fetcher.head(key)  # empty: no first byte to ask for
     if not etag:
         raise RemoteError(
             "the store gives the object no ETag: streamload cannot make sure every request reads "
@@ -673,7 +696,6 @@ async def _open_file(fetcher: Fetcher, remote: RemotePath, name: str) -> RemoteF
         )
     if size < 8:
         raise CheckpointFileError(f"object of {size} bytes is too short for a safetensors header", url)
-    head = bytes(await fetcher.get(key, 0, min(size, HEAD_BYTES), etag))
     need = 8 + int.from_bytes(head[:8], "little")
     if need > MAX_HEADER_BYTES + 8:
         raise CheckpointFileError(
@@ -693,8 +715,8 @@ async def _resolve(fetcher: Fetcher, remote: RemotePath) -> tuple[list[str], dic
     if remote.is_file:
         return [remote.prefix.rsplit("/", 1)[-1]], None
     index_url = remote.url_of(INDEX_NAME)
-    if await fetcher.exists(remote.key(INDEX_NAME)):
-        raw = await fetcher.get_whole(remote.key(INDEX_NAME))
+    raw = await fetcher.get_if_any(remote.key(INDEX_NAME))
+    if raw is not None:
         try:
             weight_map = json.loads(raw)["weight_map"]
             if not isinstance(weight_map, dict):
@@ -759,15 +781,13 @@ def opened_remote_identity(files: Sequence[Any]) -> tuple | None:
     return tuple((f"{f.path.partition('://')[2]}", f.file_size, f.etag) for f in files)
 
 
-def read_small(remote: RemotePath, name: str) -> bytes | None:
-    """A small object beside the weights (``config.json``) whole, or None when it is missing."""
+def read_small(remote: RemotePath, *names: str) -> list[bytes | None]:
+    """Small objects beside the weights (``config.json``, ...) whole, each None when it is
+    missing: fetched at once, one GET each."""
     fetcher = Fetcher(remote)
 
-    async def go() -> bytes | None:
-        key = remote.key(name)
-        if not await fetcher.exists(key):
-            return None
-        return await fetcher.get_whole(key)
+    async def go() -> list[bytes | None]:
+        return await fetcher.gather(fetcher.get_if_any(remote.key(n)) for n in names)
 
     try:
         return fetcher.run(go())
