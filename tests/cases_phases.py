@@ -29,9 +29,9 @@ def case_residency_checks(rank: int, world: int, ckpt: str) -> int:
     calls = []
     measure = cold.residency
 
-    def counted(paths: Any) -> float:
+    def counted(paths: Any, *args: Any) -> float:
         calls.append(paths)
-        return measure(paths)
+        return measure(paths, *args)
 
     cold.residency = counted
     try:
@@ -43,21 +43,30 @@ def case_residency_checks(rank: int, world: int, ckpt: str) -> int:
     return len(calls)
 
 
-def case_copy_threads(rank: int, world: int, ckpt: str) -> list[int | None]:
-    """The copy threads each source this rank read its shards from was opened with, in prepare."""
+def case_copy_threads(rank: int, world: int, ckpt: str) -> dict[str, list[int | None]]:
+    """The copy threads of each source this rank opened in prepare ("opened"), and of each
+    engine an already open source moved to ("moved": the reader, which opened its files before
+    the choice, keeps them open and takes a new engine with its share)."""
+    from streamload.io.checkpoint import Checkpoint
     from streamload.load import prepare
 
-    threads: list[int | None] = []
-    open_source = prepare.as_source
+    got: dict[str, list[int | None]] = {"opened": [], "moved": []}
+    open_source, use_threads = prepare.as_source, Checkpoint.use_threads
 
     def counted(path: Any, read_mode: str, n: int | None, *args: Any) -> Any:
-        threads.append(n)
+        got["opened"].append(n)
         return open_source(path, read_mode, n, *args)
 
+    def moved(self: Checkpoint, n: int) -> bool:
+        got["moved"].append(n)
+        assert use_threads(self, n) and self.engine.threads == n
+        return True
+
     prepare.as_source = counted
+    Checkpoint.use_threads = moved  # type: ignore[method-assign]
     try:
         model = streamload.from_pretrained(ckpt, dtype=torch.float32, readers="auto", progress=False)
     finally:
-        prepare.as_source = open_source
+        prepare.as_source, Checkpoint.use_threads = open_source, use_threads  # type: ignore[method-assign]
     assert model.streamload_report.reader.startswith("owners"), model.streamload_report.reader
-    return threads
+    return got

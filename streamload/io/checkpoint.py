@@ -223,6 +223,14 @@ class Checkpoint:
         here = {f.path: Path(f.path).resolve() for f in self.files}
         self._fill_table(weight_map, lambda fname, f: real(fname) == here[f.path])
 
+    def use_threads(self, threads: int) -> bool:
+        """Copies with ``threads`` native threads from now on, over the files already open: a new
+        plain copy engine. False (nothing changed) for a cold read's engine, which keeps its own."""
+        if not isinstance(self.engine, _native.CopyEngine):
+            return False
+        self.engine = _native.CopyEngine(threads)
+        return True
+
     def _fill_table(self, weight_map: dict[str, str] | None, holds: Callable[[str, Any], bool]) -> None:
         """The tensor table from the opened files' headers: a tensor the index maps to another
         file is skipped there (``holds(index file name, file)`` is False), one in two files is an

@@ -7,7 +7,7 @@ import os
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -443,10 +443,10 @@ def _on_readers_host(choice: ReaderChoice, group_rank: int, src_group_rank: int)
     return any(group_rank in ranks and src_group_rank in ranks for ranks in choice.nodes)
 
 
-def _reopen_with_share(
+def _takes_node_share(
     options: LoadOptions, choice: ReaderChoice, meta: SourceMeta, source: Source | None, group_rank: int
 ) -> bool:
-    """Whether the reader, in ``owners`` mode with other ranks on its node, reopens its mapped
+    """Whether the reader, in ``owners`` mode with other ranks on its node, copies from its mapped
     files with its node share of copy threads (it opened them with all before the choice)."""
     if (
         options.threads is not None
@@ -552,18 +552,18 @@ def _check_and_materialize(
     clock.mark("layout")
     mode = choice.mode
     reads = mode is ReaderMode.OWNERS or (mode is ReaderMode.NODE and group_rank in choice.node_readers)
-    held = None
-    if reads and _reopen_with_share(options, choice, meta, local.source, group_rank):
+    threads = options.threads
+    if threads is None and mode is ReaderMode.OWNERS and choice.nodes:
+        # Ranks of a node read at once: share its cores rather than oversubscribe them.
+        on_node = next(len(ranks) for ranks in choice.nodes if group_rank in ranks)
+        threads = max(1, worker_threads() // on_node)
+    if reads and _takes_node_share(options, choice, meta, local.source, group_rank) and threads:
         # The reader opened its files before the choice, with every core's worth of copy threads;
-        # its node's other ranks copy at once with their share: it takes its share too, so that
-        # no rank ends last on fewer threads while the reader's ran ahead on more.
-        held, local.source = local.source, None
+        # its node's other ranks copy at once with their share: it takes its share too (a new
+        # engine over the files it holds open), so that no rank ends last on fewer threads
+        # while the reader's ran ahead on more.
+        cast(Checkpoint, local.source).use_threads(threads)
     if reads and local.source is None:
-        threads = options.threads
-        if threads is None and mode is ReaderMode.OWNERS and choice.nodes:
-            # Ranks of a node read at once: share its cores rather than oversubscribe them.
-            on_node = next(len(ranks) for ranks in choice.nodes if group_rank in ranks)
-            threads = max(1, worker_threads() // on_node)
         read_mode = options.read_mode
         if (
             read_mode == "auto"
@@ -581,8 +581,6 @@ def _check_and_materialize(
             # Objects replaced since the reader opened them (whatever readers= asked for): the
             # reader alone reads the versions its table describes.
             local.replaced = True
-        if local.replaced and held is not None:
-            local.source = held  # the reader reads the files its choice rests on, whatever happens
-        elif not local.replaced:
+        if not local.replaced:
             check_same_table(local.source, meta.table)
         clock.mark("open_own")  # this rank's own files: residency check (mincore), headers
