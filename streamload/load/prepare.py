@@ -7,7 +7,7 @@ import os
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
-from typing import Any, cast
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -557,12 +557,18 @@ def _check_and_materialize(
         # Ranks of a node read at once: share its cores rather than oversubscribe them.
         on_node = next(len(ranks) for ranks in choice.nodes if group_rank in ranks)
         threads = max(1, worker_threads() // on_node)
-    if reads and _takes_node_share(options, choice, meta, local.source, group_rank) and threads:
+    source = local.source
+    if (
+        reads
+        and _takes_node_share(options, choice, meta, source, group_rank)
+        and isinstance(source, Checkpoint)
+        and threads
+    ):
         # The reader opened its files before the choice, with every core's worth of copy threads;
         # its node's other ranks copy at once with their share: it takes its share too (a new
         # engine over the files it holds open), so that no rank ends last on fewer threads
         # while the reader's ran ahead on more.
-        cast(Checkpoint, local.source).use_threads(threads)
+        source.use_threads(threads)
     if reads and local.source is None:
         read_mode = options.read_mode
         if (
