@@ -168,3 +168,32 @@ def case_other_version_on_open(
     assert not bad, f"differ from transformers: {bad}"
     rep = model.streamload_report
     return {"reader": rep.reader, "remote_bytes": rep.remote_bytes}
+
+
+def case_identity_asks(
+    rank: int, world: int, *, url: str, readers: str, storage_options: dict[str, Any]
+) -> list[str]:
+    """The threads this rank asked the object store for its view of the objects on (the reader
+    choice compares views): the reader takes the objects it opened, the others ask on a helper
+    thread while the reader opens them, and a src load asks nothing."""
+    import threading
+
+    from streamload.io import remote
+    from streamload.transport import readers as readers_mod
+
+    asked: list[str] = []
+    real = remote.remote_identity
+
+    def counted(path: Any) -> Any:
+        asked.append(threading.current_thread().name)
+        return real(path)
+
+    remote.remote_identity = readers_mod.remote_identity = counted  # type: ignore[assignment]
+    try:
+        model = streamload.from_pretrained(
+            url, device_mesh=mesh_for(world), progress=False, readers=readers, storage_options=storage_options
+        )
+    finally:
+        remote.remote_identity = readers_mod.remote_identity = real  # type: ignore[assignment]
+    assert model.streamload_report.reader.startswith("owners" if readers == "auto" else "src")
+    return asked

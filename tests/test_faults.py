@@ -219,6 +219,8 @@ NOT_REACHED = {
     # requests on one rank (a proxy in front of the endpoint) and checks every rank's error.
     "streamload.integrations.pretrained:_read_remote_configs": "a checkpoint in object storage only",
     "streamload.integrations.pretrained:read_small": "a checkpoint in object storage only",
+    "streamload.load.source:identity_soon": "a checkpoint in object storage only",
+    "streamload.transport.readers:opened_remote_identity": "a checkpoint in object storage only",
     "streamload.load.prepare:opened_identity": "a checkpoint in object storage only (meta.objects)",
     "streamload.transport.readers:remote_identity": "a checkpoint in object storage only",
     "streamload.transport.stream:open_status_route": "every strategy passes the route it opened",

@@ -304,6 +304,17 @@ def test_other_versions_at_open_fall_back_to_the_reader(
     assert all(r["remote_bytes"] > 0 for r in res[:1])
 
 
+def test_other_ranks_ask_for_their_view_while_the_reader_opens(group: RankGroup, s3: LocalS3, ckpts) -> None:
+    """readers="auto" compares every rank's view of the objects (key, size, ETag): the reader's is
+    the objects it opened (no second listing), the others ask on a helper thread started before
+    they wait for the reader's table, so their round trips overlap its own; src asks nothing."""
+    _, url = ckpts["dense_tied"]
+    got = group.run(cases.case_identity_asks, url=url, readers="auto", storage_options=s3.storage_options)
+    assert got == [[]] + [["streamload-identity"]] * (WORLD - 1), got
+    got = group.run(cases.case_identity_asks, url=url, readers="src", storage_options=s3.storage_options)
+    assert got == [[]] * WORLD, got
+
+
 def test_unreachable_endpoint_fails_fast(group: RankGroup, s3: LocalS3, ckpts) -> None:
     _, url = ckpts["dense_tied"]
     opts = {**s3.storage_options, "endpoint": "http://127.0.0.1:9", "retries": "1", "connect_timeout": "1s"}

@@ -249,6 +249,7 @@ def from_pretrained(
         drop_cache=bool(load_kwargs.get("drop_cache", False)),
         direct_io=load_kwargs.get("direct_io"),
         clock=clock,
+        ask_identity=load_kwargs.get("readers", "auto") != "src",
     )
     clock.mark("open")
     meta = opened.meta

@@ -37,6 +37,7 @@ import sys
 import threading
 import time
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import PurePosixPath
 from typing import Any, TypeVar
@@ -772,6 +773,23 @@ def remote_identity(path: Any) -> tuple | None:
             fetcher.close()
     except (CheckpointError, ImportError, ValueError):
         return None
+
+
+def identity_soon(path: RemotePath) -> Future[tuple | None]:
+    """``remote_identity(path)`` asked on a helper thread (daemon: requests, not Python work):
+    a rank that does not read starts it before waiting for the reader's table, so its round
+    trips overlap the reader's. ``result()`` gives what ``remote_identity`` returns, or raises."""
+    future: Future[tuple | None] = Future()
+
+    def run() -> None:
+        if future.set_running_or_notify_cancel():
+            try:
+                future.set_result(remote_identity(path))
+            except BaseException as exc:  # noqa: BLE001 - handed to whoever asks for the result
+                future.set_exception(exc)
+
+    threading.Thread(target=run, name="streamload-identity", daemon=True).start()
+    return future
 
 
 def opened_remote_identity(files: Sequence[Any]) -> tuple | None:

@@ -253,6 +253,7 @@ def prepare(
             drop_cache=options.drop_cache,
             direct_io=options.direct_io,
             clock=clock,
+            ask_identity=options.readers != "src",
         )
     meta = opened.meta
     src_group_rank = dist.get_group_rank(group, src_rank) if group is not None else 0
@@ -266,7 +267,15 @@ def prepare(
     # The reader's identity comes from the files it opened above, whatever their paths name by now.
     source = opened.source
     choice = choose(
-        options.readers, path, src_group_rank, group, device, in_memory, node=options.node, source=source
+        options.readers,
+        path,
+        src_group_rank,
+        group,
+        device,
+        in_memory,
+        node=options.node,
+        source=source,
+        identity=opened.identity,
     )
     if group_rank == src_group_rank:
         log.info("streamload: readers=%s (%s)", choice.mode.value, choice.reason)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Mapping
+from concurrent.futures import Future
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Any
@@ -14,7 +15,7 @@ from torch import nn
 
 from ..errors import CheckpointError, StreamloadError
 from ..io.checkpoint import Checkpoint
-from ..io.remote import opened_remote_identity
+from ..io.remote import RemotePath, identity_soon, opened_remote_identity
 from ..io.sources import STATE_DICT, Source, as_source
 from ..model.state import ModelState, fsdp_device, local_tensor
 from ..plan.convert import FALLBACK_PREFIX, Table
@@ -48,6 +49,9 @@ class OpenedSource:
 
     source: Source | None
     meta: SourceMeta
+    # A rank that does not read, on a checkpoint in object storage: its own view of the objects
+    # (``remote_identity``), asked while the reader opened them (``readers`` other than src).
+    identity: Future[tuple | None] | None = None
 
 
 def resolve_group(process_group: dist.ProcessGroup | None, device_mesh: Any) -> dist.ProcessGroup | None:
@@ -176,6 +180,7 @@ def open_source(
     drop_cache: bool = False,
     direct_io: bool | None = None,
     clock: PhaseClock | None = None,
+    ask_identity: bool = False,
 ) -> OpenedSource:
     """Collective: the reader opens the checkpoint and broadcasts its table (or its error).
 
@@ -186,6 +191,8 @@ def open_source(
         extra: a dict, or a callable the reader runs, sent along with the table.
         clock: the load's phase clock: the reader's file opening (``open.files``: headers and
             the page-cache residency check) and the broadcast (``open.broadcast``) are timed.
+        ask_identity: the reader choice will compare identities (``readers`` other than src):
+            other ranks ask for theirs of an object store's checkpoint meanwhile.
 
     Returns:
         The source (on the reader; None elsewhere) and the meta every rank shares.
@@ -193,6 +200,9 @@ def open_source(
     ckpt: Source | None = None
     payload: SourceMeta | BaseException | None = None
     local: BaseException | None = None
+    identity = (
+        identity_soon(path) if ask_identity and rank != src_rank and isinstance(path, RemotePath) else None
+    )
     if rank == src_rank:
         try:
             if path is None:
@@ -221,7 +231,7 @@ def open_source(
     if isinstance(payload, BaseException):
         raise payload
     assert isinstance(payload, SourceMeta)
-    return OpenedSource(ckpt, payload)
+    return OpenedSource(ckpt, payload, identity)
 
 
 def check_same_table(ckpt: Source, table: Table) -> None:

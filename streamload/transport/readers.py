@@ -33,6 +33,7 @@ import socket
 import stat
 import struct
 from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
@@ -43,7 +44,7 @@ import torch.distributed as dist
 
 from ..errors import CheckpointFileError, StreamloadError
 from ..io.checkpoint import resolve_files
-from ..io.remote import RemotePath, opened_remote_identity, remote_identity
+from ..io.remote import RemoteFile, RemotePath, opened_remote_identity, remote_identity
 from ..options import env_text
 from .protocol import gather_or_raise
 
@@ -147,9 +148,8 @@ def opened_identity(source: Any) -> tuple | None:
     files = getattr(source, "files", None)
     if not files:
         return None
-    remote = opened_remote_identity(files)
-    if remote is not None:
-        return remote
+    if all(isinstance(f, RemoteFile) for f in files):
+        return opened_remote_identity(files)
     out = []
     for f in files:
         fd = int(getattr(f, "fileno", -1))
@@ -230,6 +230,7 @@ def choose(
     has_source: bool,
     node: str | None = None,
     source: Any = None,
+    identity: Future[tuple | None] | None = None,
 ) -> ReaderChoice:
     """Collective: every rank gets the same choice.
 
@@ -242,6 +243,8 @@ def choose(
         node: this process's node id (the load's keyword; see ``node_key``).
         source: the checkpoint this rank already opened (the reader's): its identity is
             taken from the descriptors it reads, not from what its path names by now.
+        identity: this rank's ``remote_identity`` of an object store's checkpoint, asked
+            while the reader opened it (``open_source``); None: asked here.
     """
     if requested not in MODES:
         raise ValueError(f"readers must be one of {MODES}, not {requested!r}")
@@ -258,9 +261,14 @@ def choose(
     mine: tuple = (None, None, has_source, None)
     try:
         opened = opened_identity(source) if source is not None else None
-        seen_files = fingerprint(path)
-        # An object's fingerprint is its identity (size and ETag): listed once, not twice.
-        ident = opened or (seen_files if isinstance(path, RemotePath) else file_identity(path))
+        if isinstance(path, RemotePath):
+            # An object's fingerprint is its identity (size and ETag): the reader's, of the objects
+            # it opened; another rank's, asked while the reader opened them, else now.
+            seen_files = opened or (identity.result() if identity is not None else fingerprint(path))
+            ident = seen_files
+        else:
+            seen_files = fingerprint(path)
+            ident = opened or file_identity(path)
         mine = (node_key(node), seen_files, has_source, ident)
     except BaseException as exc:  # noqa: BLE001 - raised on every rank by the all-gather below
         local = exc
