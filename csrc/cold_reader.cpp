@@ -139,6 +139,10 @@ std::pair<uint64_t, uint64_t> residency(const std::string& path, uint64_t offset
   if (sample_pages > 0 && pages > sample_pages) {
     window = std::min<uint64_t>(kResidencyWindow, sample_pages);
     windows = std::max<uint64_t>(sample_pages / window, 2);
+    if (windows * window >= pages) {  // windows that would overlap: every page, once
+      window = pages;
+      windows = 1;
+    }
   }
   std::vector<unsigned char> vec(window);
   uint64_t resident = 0, probed = 0;

@@ -171,29 +171,37 @@ def case_other_version_on_open(
 
 
 def case_identity_asks(
-    rank: int, world: int, *, url: str, readers: str, storage_options: dict[str, Any]
+    rank: int, world: int, *, url: str, readers: str, storage_options: dict[str, Any], no_thread: bool = False
 ) -> list[str]:
     """The threads this rank asked the object store for its view of the objects on (the reader
     choice compares views): the reader takes the objects it opened, the others ask on a helper
-    thread while the reader opens them, and a src load asks nothing."""
+    thread while the reader opens them, and a src load asks nothing. ``no_thread``: starting the
+    helper fails (``Thread.start``'s "can't start new thread"): the rank asks on its own thread."""
     import threading
 
     from streamload.io import remote
+    from streamload.load import source
     from streamload.transport import readers as readers_mod
 
     asked: list[str] = []
-    real = remote.remote_identity
+    real, soon = remote.remote_identity, source.identity_soon
 
     def counted(path: Any) -> Any:
         asked.append(threading.current_thread().name)
         return real(path)
 
+    def refused(path: Any) -> Any:
+        raise RuntimeError("can't start new thread")
+
     remote.remote_identity = readers_mod.remote_identity = counted  # type: ignore[assignment]
+    if no_thread:
+        source.identity_soon = refused  # type: ignore[assignment]
     try:
         model = streamload.from_pretrained(
             url, device_mesh=mesh_for(world), progress=False, readers=readers, storage_options=storage_options
         )
     finally:
         remote.remote_identity = readers_mod.remote_identity = real  # type: ignore[assignment]
+        source.identity_soon = soon  # type: ignore[assignment]
     assert model.streamload_report.reader.startswith("owners" if readers == "auto" else "src")
     return asked

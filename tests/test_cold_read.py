@@ -320,6 +320,8 @@ def test_sampled_residency_tracks_the_exact_count(tmp_path: Path) -> None:
     assert abs(got / probed - exact / pages) < 0.05
     assert cold.residency([p], 256) == pytest.approx(exact / pages, abs=0.05)
     assert ext.residency(str(p), 0, 0, 10**6) == (exact, pages)  # more than the file: every page
+    # Two 16-page windows would overlap on 21 pages: every page, each counted once.
+    assert ext.residency(str(p), 0, 21 * 4096, 20) == ext.residency(str(p), 0, 21 * 4096)
     ext.evict(str(p))
     with open(p, "rb") as f:
         f.seek(size - 4096)
@@ -433,3 +435,22 @@ def test_buffered_reads_long_and_short_ranges_exactly(tmp_path: Path) -> None:
         ext.evict(str(p))
         stats = _guarded_read(reader, p, spans, data)
         assert stats["direct_windows"] == 0 and stats["bytes_read"] >= sum(n for _, n in spans), stats
+
+
+def test_use_threads_swaps_a_plain_engine_only(tmp_path: Path) -> None:
+    """The owners-mode reader takes its node share of copy threads over the files it holds open:
+    a mapped checkpoint gets a new engine with that many threads and reads the same bytes; a cold
+    one keeps its own engine (its reads and buffers are set up for it)."""
+    from streamload.io.checkpoint import Checkpoint
+
+    p = tmp_path / "model.safetensors"
+    tensors = _tensors(5, [4096, 333])
+    save_file(tensors, str(p))
+    mapped = Checkpoint(tmp_path, mode="mmap", threads=2)
+    assert mapped.use_threads(1) and mapped.engine.threads == 1
+    name = next(iter(tensors))
+    assert torch.equal(mapped.read(name), tensors[name])
+    cold_ckpt = Checkpoint(tmp_path, mode="cold")
+    engine = cold_ckpt.engine
+    assert not cold_ckpt.use_threads(1) and cold_ckpt.engine is engine
+    assert torch.equal(cold_ckpt.read(name), tensors[name])

@@ -83,8 +83,9 @@ def test_plan_over_served_ranks_only() -> None:
 
 def test_cached_layouts_keep_strided_and_plain_shards_apart() -> None:
     """local_layout is cached per (shape, mesh, placements, coordinate): a _StridedShard and a
-    Shard on the same dim, asked in either order, keep their own layouts; lists and tuples
-    for the same arguments give the same answer."""
+    Shard on the same dim, asked in either order, keep their own layouts (torch compares them
+    unequal today; the key holds each placement's type too, so that it stays so); lists and
+    tuples for the same arguments give the same answer."""
     shape, mesh = (8, 4), (2, 2)
     plain = (Shard(0), Shard(0))
     strided = (Shard(0), _StridedShard(0, split_factor=2))

@@ -147,7 +147,7 @@ def test_bad_files_are_named_errors(s3: LocalS3, tmp_path: Path) -> None:
     cases = {
         "truncated": good[: 8 + n + 10],  # data shorter than the header says
         "short": good[:5],
-        "empty": b"",  # no first byte to ask for: a HEAD gives its size
+        "empty": b"",  # no first byte to ask for (416): a HEAD gives its size
         "huge_header": struct.pack("<Q", 1 << 40) + good[8:],
     }
     lying = dict(header)
@@ -242,3 +242,29 @@ def test_open_asks_one_request_per_object(s3: LocalS3, tmp_path: Path) -> None:
             [("GET", 200), ("GET", 404)],
             [("GET", 404), ("GET", 200)],
         )
+
+
+def test_empty_object_and_failures_on_odd_keys(s3: LocalS3, tmp_path: Path) -> None:
+    """An empty object answers the first ranged GET with 416: its size then comes from a HEAD and
+    it is "too short"; a store failure on a key that happens to contain "416" stays a store
+    failure (the status is read from the answer, not from the message's text)."""
+    from s3_proxy import FaultProxy
+
+    with FaultProxy(s3.url) as proxy:
+        options = {**s3.storage_options, "endpoint": proxy.url, "retries": 0}
+        url = _upload_bytes(s3, "empty_object", b"")
+        with pytest.raises(CheckpointFileError, match="0 bytes is too short"):
+            RemoteCheckpoint(as_remote(url, options))
+        # the index (none), the listing, the first bytes (416), the HEAD
+        assert [(m, outcome) for m, _, outcome in proxy.log] == [
+            ("GET", 404),
+            ("GET", 200),
+            ("GET", 416),
+            ("HEAD", 200),
+        ]
+        save_file(_tensors(), str(tmp_path / "model.safetensors"))
+        url = _upload_bytes(s3, "checkpoint-41600", (tmp_path / "model.safetensors").read_bytes())
+        proxy.fail("500", match="checkpoint-41600/model.safetensors", times=5)
+        with pytest.raises(CheckpointFileError, match="failed after 1 attempt") as info:
+            RemoteCheckpoint(as_remote(url, options))
+        assert "header" not in str(info.value), info.value

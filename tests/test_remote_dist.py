@@ -313,6 +313,11 @@ def test_other_ranks_ask_for_their_view_while_the_reader_opens(group: RankGroup,
     assert got == [[]] + [["streamload-identity"]] * (WORLD - 1), got
     got = group.run(cases.case_identity_asks, url=url, readers="src", storage_options=s3.storage_options)
     assert got == [[]] * WORLD, got
+    # No helper thread to be had: each other rank asks on its own, in the reader choice (no hang).
+    got = group.run(
+        cases.case_identity_asks, url=url, readers="auto", storage_options=s3.storage_options, no_thread=True
+    )
+    assert got == [[]] + [["MainThread"]] * (WORLD - 1), got
 
 
 def test_unreachable_endpoint_fails_fast(group: RankGroup, s3: LocalS3, ckpts) -> None:

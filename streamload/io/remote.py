@@ -255,6 +255,12 @@ def _profile_credentials(remote: RemotePath, config: Mapping[str, Any]) -> Any:
 _STATUS = re.compile(r"status code: (\d{3})")
 
 
+def _status(exc: BaseException) -> int | None:
+    """The HTTP status an obstore error reports, if any."""
+    m = _STATUS.search(str(exc))
+    return int(m.group(1)) if m else None
+
+
 def _retryable(exc: BaseException) -> bool:
     """Throttling, 5xx, timeouts, resets and short bodies; not 4xx refusals or missing objects."""
     from obstore import exceptions as oe
@@ -263,9 +269,8 @@ def _retryable(exc: BaseException) -> bool:
         return False
     if isinstance(exc, (oe.PermissionDeniedError, oe.UnauthenticatedError, oe.InvalidPathError)):
         return False
-    m = _STATUS.search(str(exc))
-    if m:
-        code = int(m.group(1))
+    code = _status(exc)
+    if code is not None:
         return (code >= 500 and code not in (501, 505)) or code in (408, 429)
     return True  # connection reset, timeout, body cut short: the transport's, worth another try
 
@@ -449,23 +454,30 @@ class Fetcher:
                 return None
             raise
 
-    async def get_first(self, key: str, nbytes: int) -> tuple[bytes, int, str]:
+    async def get_first(self, key: str, nbytes: int) -> tuple[bytes, int, str] | None:
         """The first ``nbytes`` of ``key`` (all of it when shorter) with the object's size and
-        ETag from the same response: one request, and the bytes are of the version it names."""
+        ETag from the same response: one request, and the bytes are of the version it names.
+        None when the store answers 416 (an empty object has no first byte to ask for)."""
         import obstore
 
         url = f"{self.remote.scheme}://{self.remote.bucket}/{key}"
 
         async def call() -> Any:
-            resp = await obstore.get_async(self.store, key, options={"range": (0, nbytes)})
+            try:
+                resp = await obstore.get_async(self.store, key, options={"range": (0, nbytes)})
+            except Exception as exc:
+                if _status(exc) == 416:
+                    return None
+                raise
             meta = resp.meta
-            return bytes(await resp.bytes_async()), int(meta["size"]), str(meta.get("e_tag") or "")
+            buf, size = bytes(await resp.bytes_async()), int(meta["size"])
+            if len(buf) != min(nbytes, size):
+                raise ConnectionError(f"short body: {len(buf)} of the first {nbytes} bytes of {size}")
+            return buf, size, str(meta.get("e_tag") or "")
 
-        (buf, size, etag), retries = await self._retrying(url, f"GET bytes 0-{nbytes - 1}", call)
-        self.stats.add(len(buf), 1 + retries, retries)
-        if len(buf) != min(nbytes, size):
-            raise RemoteError(f"GET bytes 0-{nbytes - 1}: got {len(buf)} bytes of a {size}-byte object", url)
-        return buf, size, etag
+        got, retries = await self._retrying(url, f"GET bytes 0-{nbytes - 1}", call)
+        self.stats.add(len(got[0]) if got else 0, 1 + retries, retries)
+        return got
 
     async def gather(self, coros: Iterable[Awaitable[T]]) -> list[T]:
         """Every coroutine; the first failure cancels the rest (none keeps writing after it)."""
@@ -680,15 +692,15 @@ def _safe_name(name: Any, where: str, index_url: str) -> str:
 
 
 async def _open_file(fetcher: Fetcher, remote: RemotePath, name: str) -> RemoteFile:
-    """HEAD, then the length prefix and header by ranged GETs, validated natively."""
+    """The length prefix and header by ranged GETs (the first names the object's size and ETag),
+    validated natively."""
     key = remote.file_key(name)
     url = f"{remote.scheme}://{remote.bucket}/{key}"
-    try:
-        head, size, etag = await fetcher.get_first(key, HEAD_BYTES)
-    except RemoteError as exc:
-        if "416" not in str(exc):
-            raise
-        head, (size, etag) = b"", await fetcher.head(key)  # empty: no first byte to ask for
+    first = await fetcher.get_first(key, HEAD_BYTES)
+    if first is None:  # empty: no first byte to ask for
+        head, (size, etag) = b"", await fetcher.head(key)
+    else:
+        head, size, etag = first
     if not etag:
         raise RemoteError(
             "the store gives the object no ETag: streamload cannot make sure every request reads "

@@ -200,9 +200,12 @@ def open_source(
     ckpt: Source | None = None
     payload: SourceMeta | BaseException | None = None
     local: BaseException | None = None
-    identity = (
-        identity_soon(path) if ask_identity and rank != src_rank and isinstance(path, RemotePath) else None
-    )
+    identity = None
+    if ask_identity and rank != src_rank and isinstance(path, RemotePath):
+        try:
+            identity = identity_soon(path)
+        except Exception:  # noqa: BLE001 - no helper thread: asked on this one, in the reader choice
+            identity = None
     if rank == src_rank:
         try:
             if path is None:
