@@ -431,28 +431,24 @@ class Fetcher:
         self.stats.add(end - start, 1 + retries, retries)
         return buf
 
-    async def get_whole(self, key: str) -> bytes:
-        """A small object whole (config.json, the index)."""
+    async def get_if_any(self, key: str) -> bytes | None:
+        """A small object whole (config.json, the index), or None when the store answers that
+        there is no such object: one request, not a HEAD first."""
         import obstore
+        from obstore import exceptions as oe
 
         url = f"{self.remote.scheme}://{self.remote.bucket}/{key}"
 
-        async def call() -> Any:
-            resp = await obstore.get_async(self.store, key)
-            return await resp.bytes_async()
+        async def call() -> bytes | None:
+            try:
+                resp = await obstore.get_async(self.store, key)
+            except (FileNotFoundError, oe.NotFoundError):
+                return None
+            return bytes(await resp.bytes_async())
 
         buf, retries = await self._retrying(url, "GET", call)
-        self.stats.add(len(buf), 1 + retries, retries)
-        return bytes(buf)
-
-    async def get_if_any(self, key: str) -> bytes | None:
-        """A small object whole, or None when there is no such object: one request, not a HEAD first."""
-        try:
-            return await self.get_whole(key)
-        except RemoteError as exc:
-            if "no such object" in str(exc):
-                return None
-            raise
+        self.stats.add(len(buf) if buf is not None else 0, 1 + retries, retries)
+        return buf
 
     async def get_first(self, key: str, nbytes: int) -> tuple[bytes, int, str] | None:
         """The first ``nbytes`` of ``key`` (all of it when shorter) with the object's size and
