@@ -169,6 +169,45 @@ void spans(const DequantOp& op, const Geometry& g, const Piece& p, int64_t* wlo,
   *shi = ((p.b * g.sr + (p.rb - 1) / op.block_r) * g.sc + (c1 - 1) / op.block_c + 1) * g.s_isz;
 }
 
+// A NaN scale: torch's product is the scale's NaN, quieted, even when the value
+// is a NaN too (its kernel puts the scale first); C++'s x * sc may keep x's
+// payload instead, so it is not left to the compiler.
+inline float quieted(float sc) {
+  uint32_t bits;
+  std::memcpy(&bits, &sc, 4);
+  bits |= 0x00400000u;
+  float q;
+  std::memcpy(&q, &bits, 4);
+  return q;
+}
+
+// An FP8 block's outputs are one of 256 values, one per weight byte: a table of
+// them, each rounded as `store` rounds it, turns each element into one lookup.
+// Worth building for a block region of at least this many elements.
+constexpr int64_t kTableMin = 2048;
+
+template <typename Store>
+void fp8_table(const float* wl, float sc, Store store, int64_t d_isz, unsigned char* table) {
+  if (std::isnan(sc)) {
+    const float q = quieted(sc);
+    for (int x = 0; x < 256; ++x) store(reinterpret_cast<char*>(table + x * d_isz), q);
+  } else {
+    for (int x = 0; x < 256; ++x) store(reinterpret_cast<char*>(table + x * d_isz), wl[x] * sc);
+  }
+}
+
+// Row [ca, cz) of a block: each weight byte's table entry, d_isz bytes, at `out` (stride_c items).
+inline void fp8_row_from_table(const unsigned char* table, int64_t d_isz, const uint8_t* w, int64_t n, char* out,
+                               int64_t stride_c) {
+  if (stride_c == 1 && d_isz == 2) {
+    for (int64_t i = 0; i < n; ++i) std::memcpy(out + 2 * i, table + 2 * w[i], 2);
+  } else if (stride_c == 1 && d_isz == 4) {
+    for (int64_t i = 0; i < n; ++i) std::memcpy(out + 4 * i, table + 4 * w[i], 4);
+  } else {
+    for (int64_t i = 0; i < n; ++i) std::memcpy(out + i * stride_c * d_isz, table + d_isz * w[i], d_isz);
+  }
+}
+
 template <typename Store>
 void run_piece(const DequantOp& op, const Geometry& g, const Piece& p, const char* w, const char* s, char* dst,
                Store store) {
@@ -177,6 +216,38 @@ void run_piece(const DequantOp& op, const Geometry& g, const Piece& p, const cha
   const bool fp4 = static_cast<DequantKind>(op.kind) == DequantKind::MXFP4;
   const float* wl = static_cast<DType>(op.w_dtype) == DType::F8_E5M2 ? t.e5m2 : t.e4m3;
   const int64_t c1 = op.c0 + op.nc;
+  if (!fp4) {
+    // Block by block (one scale each): a table of the block's 256 possible outputs where
+    // the piece covers enough of the block to pay for it, else each element computed.
+    alignas(64) unsigned char table[256 * 8];
+    for (int64_t ra = p.ra; ra < p.rb;) {
+      const int64_t rblk = ra / op.block_r;
+      const int64_t rb = std::min(p.rb, (rblk + 1) * op.block_r);
+      const char* srow = s + (p.b * g.sr + rblk) * g.sc * g.s_isz;
+      for (int64_t cb = op.c0 / op.block_c; cb * op.block_c < c1; ++cb) {
+        const int64_t ca = std::max(op.c0, cb * op.block_c), cz = std::min(c1, (cb + 1) * op.block_c);
+        const float sc = load_scale(sd, srow + cb * g.s_isz);
+        const bool tabled = (rb - ra) * (cz - ca) >= kTableMin;
+        if (tabled) fp8_table(wl, sc, store, g.d_isz, table);
+        const float q = quieted(sc);
+        const bool nan_scale = std::isnan(sc);
+        for (int64_t r = ra; r < rb; ++r) {
+          const uint8_t* wrow = reinterpret_cast<const uint8_t*>(w) + (p.b * op.rows + r) * g.w_row_bytes;
+          const int64_t drow = op.dst_offset + (p.b - op.b0) * op.dst_stride_b + (r - op.r0) * op.dst_stride_r;
+          char* out = dst + (drow + (ca - op.c0) * op.dst_stride_c) * g.d_isz;
+          if (tabled) {
+            fp8_row_from_table(table, g.d_isz, wrow + ca, cz - ca, out, op.dst_stride_c);
+          } else if (nan_scale) {
+            for (int64_t c = ca; c < cz; ++c) store(out + (c - ca) * op.dst_stride_c * g.d_isz, q);
+          } else {
+            for (int64_t c = ca; c < cz; ++c) store(out + (c - ca) * op.dst_stride_c * g.d_isz, wl[wrow[c]] * sc);
+          }
+        }
+      }
+      ra = rb;
+    }
+    return;
+  }
   for (int64_t r = p.ra; r < p.rb; ++r) {
     const uint8_t* wrow = reinterpret_cast<const uint8_t*>(w) + (p.b * op.rows + r) * g.w_row_bytes;
     const char* srow = s + (p.b * g.sr + r / op.block_r) * g.sc * g.s_isz;
@@ -184,30 +255,16 @@ void run_piece(const DequantOp& op, const Geometry& g, const Piece& p, const cha
     for (int64_t c = op.c0; c < c1;) {
       const int64_t blk = c / op.block_c;
       const int64_t cend = std::min(c1, (blk + 1) * op.block_c);
-      const float sc = fp4 ? t.pow2[static_cast<uint8_t>(srow[blk * g.s_isz])] : load_scale(sd, srow + blk * g.s_isz);
-      if (fp4) {
-        // torch.ldexp rounds x * 2^e once. Multiplying by the power of two
-        // does the same whenever 2^e is a float32 (e <= 127); e = 128
-        // (byte 255) needs the real ldexp: 0.5 * 2^128 is finite.
-        const uint8_t eb = static_cast<uint8_t>(srow[blk * g.s_isz]);
-        for (; c < cend; ++c) {
-          uint8_t byte = wrow[c >> 1];
-          float v = t.e2m1[(c & 1) ? (byte >> 4) : (byte & 0x0F)];
-          float out = eb == 0xFF ? std::ldexp(v, 128) : v * sc;
-          store(dst + (drow + (c - op.c0) * op.dst_stride_c) * g.d_isz, out);
-        }
-      } else if (std::isnan(sc)) {
-        // A NaN scale: torch's product is the scale's NaN, quieted, even when
-        // the value is a NaN too (its kernel puts the scale first); C++'s
-        // x * sc may keep x's payload instead, so it is not left to the compiler.
-        uint32_t bits;
-        std::memcpy(&bits, &sc, 4);
-        bits |= 0x00400000u;
-        float q;
-        std::memcpy(&q, &bits, 4);
-        for (; c < cend; ++c) store(dst + (drow + (c - op.c0) * op.dst_stride_c) * g.d_isz, q);
-      } else {
-        for (; c < cend; ++c) store(dst + (drow + (c - op.c0) * op.dst_stride_c) * g.d_isz, wl[wrow[c]] * sc);
+      const float sc = t.pow2[static_cast<uint8_t>(srow[blk * g.s_isz])];
+      // torch.ldexp rounds x * 2^e once. Multiplying by the power of two
+      // does the same whenever 2^e is a float32 (e <= 127); e = 128
+      // (byte 255) needs the real ldexp: 0.5 * 2^128 is finite.
+      const uint8_t eb = static_cast<uint8_t>(srow[blk * g.s_isz]);
+      for (; c < cend; ++c) {
+        uint8_t byte = wrow[c >> 1];
+        float v = t.e2m1[(c & 1) ? (byte >> 4) : (byte & 0x0F)];
+        float out = eb == 0xFF ? std::ldexp(v, 128) : v * sc;
+        store(dst + (drow + (c - op.c0) * op.dst_stride_c) * g.d_isz, out);
       }
     }
   }

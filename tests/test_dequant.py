@@ -322,3 +322,31 @@ def test_fp8_e8m0_scales_all_256_values_match_torch(dtype: torch.dtype, name: st
     want = (w.to(torch.float32) * s.to(torch.float32)).to(dtype)
     _same(out, want, bits)
     _same(out, Fp8Dequantize(None)._dequantize_one(w, s, output_dtype=dtype), bits)
+
+
+@pytest.mark.parametrize(("dtype", "name", "bits"), OUT)
+def test_fp8_block_tables_match_torch_for_every_byte_and_scale(
+    dtype: torch.dtype, name: str, bits: torch.dtype
+) -> None:
+    """Blocks large enough to be dequantized through a table of their 256 outputs: every
+    fp8 byte (both NaNs) under every float8_e8m0fnu scale (the NaN one included), into a
+    contiguous destination, a transposed one (column stride > 1) and a box whose first and
+    last blocks are too thin for a table (5 and 3 rows: computed element by element)."""
+    block = (8, 256)  # 2048 elements: the smallest block region a table is built for
+    w = torch.arange(256, dtype=torch.uint8).repeat(256 * block[0], 1).view(torch.float8_e4m3fn)
+    s = torch.arange(256, dtype=torch.uint8).view(torch.float8_e8m0fnu).reshape(256, 1)
+    rows, cols = w.shape
+    want = (w.to(torch.float32) * s.to(torch.float32).repeat_interleave(block[0], 0)).to(dtype)
+    assert torch.isnan(want).any() and torch.isinf(want).any()
+    out = torch.empty(rows, cols, dtype=dtype)
+    _run([_op("fp8_block", _mem(w, "F8_E4M3"), _mem(s, "F8_E8M0"), out, (1, rows, cols), block)])
+    _same(out, want, bits)
+    out_t = torch.empty(cols, rows, dtype=dtype)
+    _run([_op("fp8_block", _mem(w, "F8_E4M3"), _mem(s, "F8_E8M0"), out_t, (1, rows, cols), block,
+              dst_strides=(0, 1, rows))])  # fmt: skip
+    _same(out_t.T, want, bits)
+    r0, nr = 3, 2040  # rows 3..2043: 5 rows of block 0, full blocks, 3 rows of the last one reached
+    part = torch.full((nr, cols), 7.0, dtype=dtype)
+    _run([_op("fp8_block", _mem(w, "F8_E4M3"), _mem(s, "F8_E8M0"), part, (1, rows, cols), block,
+              box=(0, 1, r0, nr, 0, cols))])  # fmt: skip
+    _same(part, want[r0 : r0 + nr], bits)
