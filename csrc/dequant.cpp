@@ -4,6 +4,7 @@
 #include <cmath>
 #include <cstring>
 #include <string>
+#include <vector>
 
 #include "dtype.h"
 
@@ -217,27 +218,36 @@ void run_piece(const DequantOp& op, const Geometry& g, const Piece& p, const cha
   const float* wl = static_cast<DType>(op.w_dtype) == DType::F8_E5M2 ? t.e5m2 : t.e4m3;
   const int64_t c1 = op.c0 + op.nc;
   if (!fp4) {
-    // Block by block (one scale each): a table of the block's 256 possible outputs where
-    // the piece covers enough of the block to pay for it, else each element computed.
-    alignas(64) unsigned char table[256 * 8];
+    // Row block by row block (one scale row each): where the piece covers enough of the
+    // row block to pay for them, a table of each column block's 256 possible outputs, then
+    // the rows in order, one lookup per element; else each element computed.
+    const int64_t cb0 = op.c0 / op.block_c, cb1 = (c1 - 1) / op.block_c + 1;
+    thread_local std::vector<unsigned char> tables;
     for (int64_t ra = p.ra; ra < p.rb;) {
       const int64_t rblk = ra / op.block_r;
       const int64_t rb = std::min(p.rb, (rblk + 1) * op.block_r);
       const char* srow = s + (p.b * g.sr + rblk) * g.sc * g.s_isz;
-      for (int64_t cb = op.c0 / op.block_c; cb * op.block_c < c1; ++cb) {
-        const int64_t ca = std::max(op.c0, cb * op.block_c), cz = std::min(c1, (cb + 1) * op.block_c);
-        const float sc = load_scale(sd, srow + cb * g.s_isz);
-        const bool tabled = (rb - ra) * (cz - ca) >= kTableMin;
-        if (tabled) fp8_table(wl, sc, store, g.d_isz, table);
-        const float q = quieted(sc);
-        const bool nan_scale = std::isnan(sc);
-        for (int64_t r = ra; r < rb; ++r) {
-          const uint8_t* wrow = reinterpret_cast<const uint8_t*>(w) + (p.b * op.rows + r) * g.w_row_bytes;
-          const int64_t drow = op.dst_offset + (p.b - op.b0) * op.dst_stride_b + (r - op.r0) * op.dst_stride_r;
+      const bool tabled = (rb - ra) * std::min(op.block_c, op.nc) >= kTableMin;
+      if (tabled) {
+        tables.resize(static_cast<size_t>((cb1 - cb0) * 256 * g.d_isz));
+        for (int64_t cb = cb0; cb < cb1; ++cb)
+          fp8_table(wl, load_scale(sd, srow + cb * g.s_isz), store, g.d_isz,
+                    tables.data() + (cb - cb0) * 256 * g.d_isz);
+      }
+      for (int64_t r = ra; r < rb; ++r) {
+        const uint8_t* wrow = reinterpret_cast<const uint8_t*>(w) + (p.b * op.rows + r) * g.w_row_bytes;
+        const int64_t drow = op.dst_offset + (p.b - op.b0) * op.dst_stride_b + (r - op.r0) * op.dst_stride_r;
+        for (int64_t cb = cb0; cb < cb1; ++cb) {
+          const int64_t ca = std::max(op.c0, cb * op.block_c), cz = std::min(c1, (cb + 1) * op.block_c);
           char* out = dst + (drow + (ca - op.c0) * op.dst_stride_c) * g.d_isz;
           if (tabled) {
-            fp8_row_from_table(table, g.d_isz, wrow + ca, cz - ca, out, op.dst_stride_c);
-          } else if (nan_scale) {
+            fp8_row_from_table(tables.data() + (cb - cb0) * 256 * g.d_isz, g.d_isz, wrow + ca, cz - ca, out,
+                               op.dst_stride_c);
+            continue;
+          }
+          const float sc = load_scale(sd, srow + cb * g.s_isz);
+          if (std::isnan(sc)) {
+            const float q = quieted(sc);
             for (int64_t c = ca; c < cz; ++c) store(out + (c - ca) * op.dst_stride_c * g.d_isz, q);
           } else {
             for (int64_t c = ca; c < cz; ++c) store(out + (c - ca) * op.dst_stride_c * g.d_isz, wl[wrow[c]] * sc);
@@ -248,24 +258,50 @@ void run_piece(const DequantOp& op, const Geometry& g, const Piece& p, const cha
     }
     return;
   }
+  // MXFP4. torch.ldexp rounds x * 2^e once. Multiplying by the power of two does the same
+  // whenever 2^e is a float32 (e <= 127); e = 128 (byte 255) needs the real ldexp: 0.5 * 2^128
+  // is finite.
+  auto value = [&t](uint8_t byte, bool high, uint8_t eb) {
+    const float v = t.e2m1[high ? (byte >> 4) : (byte & 0x0F)];
+    return eb == 0xFF ? std::ldexp(v, 128) : v * t.pow2[eb];
+  };
+  auto wrow_of = [&](int64_t r) { return reinterpret_cast<const uint8_t*>(w) + (p.b * op.rows + r) * g.w_row_bytes; };
+  auto srow_of = [&](int64_t r) {
+    return reinterpret_cast<const uint8_t*>(s) + (p.b * g.sr + r / op.block_r) * g.sc * g.s_isz;
+  };
+  const int64_t base = op.dst_offset + (p.b - op.b0) * op.dst_stride_b;
+  if (op.dst_stride_r == 1 && op.dst_stride_c != 1) {
+    // A transposed destination (transformers' [E, H, 2I] experts): a tile of rows at a time,
+    // column by column, so that the writes of one column run along the destination's rows
+    // instead of one element per destination row.
+    constexpr int64_t kTile = 64;
+    const uint8_t* wrows[kTile];
+    const uint8_t* srows[kTile];
+    for (int64_t r0 = p.ra; r0 < p.rb; r0 += kTile) {
+      const int64_t n = std::min(p.rb - r0, kTile);
+      for (int64_t i = 0; i < n; ++i) {
+        wrows[i] = wrow_of(r0 + i);
+        srows[i] = srow_of(r0 + i);
+      }
+      for (int64_t c = op.c0; c < c1; ++c) {
+        const int64_t half = c >> 1, so = (c / op.block_c) * g.s_isz;
+        const bool high = (c & 1) != 0;
+        char* out = dst + (base + (r0 - op.r0) + (c - op.c0) * op.dst_stride_c) * g.d_isz;
+        for (int64_t i = 0; i < n; ++i) store(out + i * g.d_isz, value(wrows[i][half], high, srows[i][so]));
+      }
+    }
+    return;
+  }
   for (int64_t r = p.ra; r < p.rb; ++r) {
-    const uint8_t* wrow = reinterpret_cast<const uint8_t*>(w) + (p.b * op.rows + r) * g.w_row_bytes;
-    const char* srow = s + (p.b * g.sr + r / op.block_r) * g.sc * g.s_isz;
-    const int64_t drow = op.dst_offset + (p.b - op.b0) * op.dst_stride_b + (r - op.r0) * op.dst_stride_r;
+    const uint8_t* wrow = wrow_of(r);
+    const uint8_t* srow = srow_of(r);
+    const int64_t drow = base + (r - op.r0) * op.dst_stride_r;
     for (int64_t c = op.c0; c < c1;) {
       const int64_t blk = c / op.block_c;
       const int64_t cend = std::min(c1, (blk + 1) * op.block_c);
-      const float sc = t.pow2[static_cast<uint8_t>(srow[blk * g.s_isz])];
-      // torch.ldexp rounds x * 2^e once. Multiplying by the power of two
-      // does the same whenever 2^e is a float32 (e <= 127); e = 128
-      // (byte 255) needs the real ldexp: 0.5 * 2^128 is finite.
-      const uint8_t eb = static_cast<uint8_t>(srow[blk * g.s_isz]);
-      for (; c < cend; ++c) {
-        uint8_t byte = wrow[c >> 1];
-        float v = t.e2m1[(c & 1) ? (byte >> 4) : (byte & 0x0F)];
-        float out = eb == 0xFF ? std::ldexp(v, 128) : v * sc;
-        store(dst + (drow + (c - op.c0) * op.dst_stride_c) * g.d_isz, out);
-      }
+      const uint8_t eb = srow[blk * g.s_isz];
+      for (; c < cend; ++c)
+        store(dst + (drow + (c - op.c0) * op.dst_stride_c) * g.d_isz, value(wrow[c >> 1], (c & 1) != 0, eb));
     }
   }
 }

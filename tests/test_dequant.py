@@ -291,6 +291,26 @@ def test_mxfp4_sub_boxes_of_the_transposed_layout() -> None:
         _same(out, ref[b0 : b0 + nb, c0 : c0 + nc], torch.int16)
 
 
+@pytest.mark.parametrize(("dtype", "name", "bits"), OUT)
+def test_mxfp4_row_tiles_and_the_plain_layout(dtype: torch.dtype, name: str, bits: torch.dtype) -> None:
+    """More rows than one tile of the transposed path (150: two tiles of 64 and a short one),
+    row boxes starting mid-tile and mid-group columns, and the untransposed [E, 2I, H] layout
+    (rows along the destination's rows), whole and boxed."""
+    n_exp, rows, groups = 3, 150, 3
+    blocks, scales = _mxfp4(n_exp, rows, groups, seed=21)
+    ref = convert_moe_packed_tensors(blocks, scales, dtype=dtype)  # [E, H, 2I]
+    hidden = groups * 32
+    for b0, nb, r0, nr, c0, nc in [(0, 3, 0, rows, 0, hidden), (1, 2, 37, 100, 33, 50), (2, 1, 64, 86, 95, 1)]:
+        out = torch.empty(nb, nc, nr, dtype=dtype)
+        _run([_op("mxfp4", _mem(blocks, "U8"), _mem(scales, "U8"), out, (n_exp, rows, hidden), (1, 32),
+                  box=(b0, nb, r0, nr, c0, nc), dst_strides=(nc * nr, 1, nr))])  # fmt: skip
+        _same(out, ref[b0 : b0 + nb, c0 : c0 + nc, r0 : r0 + nr], bits)
+        plain = torch.empty(nb, nr, nc, dtype=dtype)
+        _run([_op("mxfp4", _mem(blocks, "U8"), _mem(scales, "U8"), plain, (n_exp, rows, hidden), (1, 32),
+                  box=(b0, nb, r0, nr, c0, nc))])  # fmt: skip
+        _same(plain, ref[b0 : b0 + nb, c0 : c0 + nc, r0 : r0 + nr].transpose(1, 2), bits)
+
+
 @pytest.mark.parametrize("mode", ["mmap", "pread"])
 def test_mxfp4_from_files(tmp_path: Path, mode: str) -> None:
     n_exp, rows, groups = 2, 16, 2
