@@ -15,6 +15,7 @@ namespace streamload {
 
 void bind_quant(py::module_& m) {
   m.attr("DEQUANT_FIELDS") = kDequantFields;
+  m.attr("DEQUANT_TABLE_MIN") = kDequantTableMin;
   py::dict kinds;
   kinds["fp8_block"] = static_cast<int64_t>(DequantKind::FP8_BLOCK);
   kinds["mxfp4"] = static_cast<int64_t>(DequantKind::MXFP4);

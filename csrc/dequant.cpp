@@ -183,9 +183,8 @@ inline float quieted(float sc) {
 }
 
 // An FP8 block's outputs are one of 256 values, one per weight byte: a table of
-// them, each rounded as `store` rounds it, turns each element into one lookup.
-// Worth building for a block region of at least this many elements.
-constexpr int64_t kTableMin = 2048;
+// them, each rounded as `store` rounds it, turns each element into one lookup
+// (kDequantTableMin, dequant.h: the block region that pays for one).
 
 template <typename Store>
 void fp8_table(const float* wl, float sc, Store store, int64_t d_isz, unsigned char* table) {
@@ -227,7 +226,7 @@ void run_piece(const DequantOp& op, const Geometry& g, const Piece& p, const cha
       const int64_t rblk = ra / op.block_r;
       const int64_t rb = std::min(p.rb, (rblk + 1) * op.block_r);
       const char* srow = s + (p.b * g.sr + rblk) * g.sc * g.s_isz;
-      const bool tabled = (rb - ra) * std::min(op.block_c, op.nc) >= kTableMin;
+      const bool tabled = (rb - ra) * std::min(op.block_c, op.nc) >= kDequantTableMin;
       if (tabled) {
         tables.resize(static_cast<size_t>((cb1 - cb0) * 256 * g.d_isz));
         for (int64_t cb = cb0; cb < cb1; ++cb)

@@ -50,6 +50,10 @@ struct DequantOp {
   int64_t dst_stride_b, dst_stride_r, dst_stride_c;  // in elements
 };
 constexpr int kDequantFields = sizeof(DequantOp) / sizeof(int64_t);
+
+// FP8: a piece's rows in one row block times the block's width (at most the box's) from
+// which the block's 256 possible outputs are tabled first (one lookup per element after).
+constexpr int64_t kDequantTableMin = 2048;
 static_assert(kDequantFields == 27, "DequantOp layout is part of the Python contract");
 
 // Validates every op, then dequantizes them all on the pool; returns the

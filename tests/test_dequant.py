@@ -294,13 +294,17 @@ def test_mxfp4_sub_boxes_of_the_transposed_layout() -> None:
 @pytest.mark.parametrize(("dtype", "name", "bits"), OUT)
 def test_mxfp4_row_tiles_and_the_plain_layout(dtype: torch.dtype, name: str, bits: torch.dtype) -> None:
     """More rows than one tile of the transposed path (150: two tiles of 64 and a short one),
-    row boxes starting mid-tile and mid-group columns, and the untransposed [E, 2I, H] layout
-    (rows along the destination's rows), whole and boxed."""
+    boxes of rows and of mid-group columns, and the untransposed [E, 2I, H] layout (rows along
+    the destination's rows), whole and boxed, against transformers."""
     n_exp, rows, groups = 3, 150, 3
     blocks, scales = _mxfp4(n_exp, rows, groups, seed=21)
     ref = convert_moe_packed_tensors(blocks, scales, dtype=dtype)  # [E, H, 2I]
     hidden = groups * 32
-    for b0, nb, r0, nr, c0, nc in [(0, 3, 0, rows, 0, hidden), (1, 2, 37, 100, 33, 50), (2, 1, 64, 86, 95, 1)]:
+    for b0, nb, r0, nr, c0, nc in [
+        (0, 3, 0, rows, 0, hidden),
+        (1, 2, 37, 100, 33, 50),
+        (2, 1, 64, 86, 95, 1),
+    ]:
         out = torch.empty(nb, nc, nr, dtype=dtype)
         _run([_op("mxfp4", _mem(blocks, "U8"), _mem(scales, "U8"), out, (n_exp, rows, hidden), (1, 32),
                   box=(b0, nb, r0, nr, c0, nc), dst_strides=(nc * nr, 1, nr))])  # fmt: skip
@@ -344,29 +348,132 @@ def test_fp8_e8m0_scales_all_256_values_match_torch(dtype: torch.dtype, name: st
     _same(out, Fp8Dequantize(None)._dequantize_one(w, s, output_dtype=dtype), bits)
 
 
-@pytest.mark.parametrize(("dtype", "name", "bits"), OUT)
+TABLE_MIN = int(ext.DEQUANT_TABLE_MIN)
+OUT64 = [*OUT, (torch.float64, "F64", torch.int64)]
+
+
+@pytest.mark.parametrize("wname", ["F8_E4M3", "F8_E5M2"])
+@pytest.mark.parametrize(("dtype", "name", "bits"), OUT64)
 def test_fp8_block_tables_match_torch_for_every_byte_and_scale(
-    dtype: torch.dtype, name: str, bits: torch.dtype
+    dtype: torch.dtype, name: str, bits: torch.dtype, wname: str
 ) -> None:
-    """Blocks large enough to be dequantized through a table of their 256 outputs: every
-    fp8 byte (both NaNs) under every float8_e8m0fnu scale (the NaN one included), into a
-    contiguous destination, a transposed one (column stride > 1) and a box whose first and
-    last blocks are too thin for a table (5 and 3 rows: computed element by element)."""
-    block = (8, 256)  # 2048 elements: the smallest block region a table is built for
-    w = torch.arange(256, dtype=torch.uint8).repeat(256 * block[0], 1).view(torch.float8_e4m3fn)
+    """Blocks just large enough to be dequantized through a table of their 256 outputs
+    (DEQUANT_TABLE_MIN elements): every fp8 byte (NaNs and infs included) under every
+    float8_e8m0fnu scale (the NaN one included), into a contiguous destination, a transposed
+    one (column stride > 1) and a box whose first and last blocks are too thin for a table
+    (computed element by element)."""
+    block = (TABLE_MIN // 256, 256)
+    assert block[0] * block[1] == TABLE_MIN
+    wdt = torch.float8_e4m3fn if wname == "F8_E4M3" else torch.float8_e5m2
+    w = torch.arange(256, dtype=torch.uint8).repeat(256 * block[0], 1).view(wdt)
     s = torch.arange(256, dtype=torch.uint8).view(torch.float8_e8m0fnu).reshape(256, 1)
     rows, cols = w.shape
     want = (w.to(torch.float32) * s.to(torch.float32).repeat_interleave(block[0], 0)).to(dtype)
     assert torch.isnan(want).any() and torch.isinf(want).any()
     out = torch.empty(rows, cols, dtype=dtype)
-    _run([_op("fp8_block", _mem(w, "F8_E4M3"), _mem(s, "F8_E8M0"), out, (1, rows, cols), block)])
+    _run([_op("fp8_block", _mem(w, wname), _mem(s, "F8_E8M0"), out, (1, rows, cols), block)])
     _same(out, want, bits)
     out_t = torch.empty(cols, rows, dtype=dtype)
-    _run([_op("fp8_block", _mem(w, "F8_E4M3"), _mem(s, "F8_E8M0"), out_t, (1, rows, cols), block,
+    _run([_op("fp8_block", _mem(w, wname), _mem(s, "F8_E8M0"), out_t, (1, rows, cols), block,
               dst_strides=(0, 1, rows))])  # fmt: skip
     _same(out_t.T, want, bits)
-    r0, nr = 3, 2040  # rows 3..2043: 5 rows of block 0, full blocks, 3 rows of the last one reached
+    r0, nr = (
+        3,
+        rows - 3 - (block[0] - 3),
+    )  # a thin first block (block[0] - 3 rows) and a thin last one (3 rows)
     part = torch.full((nr, cols), 7.0, dtype=dtype)
-    _run([_op("fp8_block", _mem(w, "F8_E4M3"), _mem(s, "F8_E8M0"), part, (1, rows, cols), block,
+    _run([_op("fp8_block", _mem(w, wname), _mem(s, "F8_E8M0"), part, (1, rows, cols), block,
               box=(0, 1, r0, nr, 0, cols))])  # fmt: skip
     _same(part, want[r0 : r0 + nr], bits)
+
+
+def _nan_scales(shape: tuple[int, ...], dtype: torch.dtype, seed: int) -> torch.Tensor:
+    """Random positive scales of ``dtype`` with NaNs (payloads, a negative one), infs and zeros."""
+    gen = torch.Generator().manual_seed(seed)
+    s = (torch.rand(shape, generator=gen) * 4).to(dtype)
+    ibits = {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float16: torch.int16}[dtype]
+    specials = {
+        torch.float32: [
+            0x7FC00001,
+            0x7F800123,
+            -0x00400001,
+            0x7F800000,
+            0,
+        ],  # qNaN+payload, sNaN, -NaN, inf, 0
+        torch.bfloat16: [0x7FC1, 0x7F81, -0x003F, 0x7F80, 0],
+        torch.float16: [0x7E01, 0x7C01, -0x01FF, 0x7C00, 0],
+    }[dtype]
+    flat = s.view(ibits).view(-1)
+    for i, v in enumerate(specials):
+        flat[3 * i + 1] = v
+    return s
+
+
+@pytest.mark.parametrize(
+    ("sdt", "sname"), [(torch.float32, "F32"), (torch.bfloat16, "BF16"), (torch.float16, "F16")]
+)
+@pytest.mark.parametrize(("dtype", "name", "bits"), OUT64)
+def test_fp8_tables_equal_the_element_wise_path(
+    sdt: torch.dtype, sname: str, dtype: torch.dtype, name: str, bits: torch.dtype
+) -> None:
+    """The tabled blocks against the same op run one row at a time (every block region then
+    below DEQUANT_TABLE_MIN: element by element), bit for bit: scales with NaN payloads, infs
+    and zeros in each scale dtype, two batch items, a block height (48) that does not divide
+    the rows, a box starting and ending inside blocks, pieces of 1-3 threads starting inside
+    row blocks, and a destination with its columns reversed (negative stride)."""
+    batch, rows, cols, block = 2, 1000, 640, (48, 128)
+    assert block[1] < TABLE_MIN  # one row of a block is computed element by element
+    gen = torch.Generator().manual_seed(31)
+    w = torch.randint(0, 256, (batch, rows, cols), generator=gen, dtype=torch.uint8)
+    w[..., :256] = torch.arange(256, dtype=torch.uint8)  # every byte in every row
+    w = w.view(torch.float8_e4m3fn)
+    s = _nan_scales((batch, -(-rows // block[0]), cols // block[1]), sdt, seed=32)
+    b0, nb, r0, nr, c0, nc = 0, batch, 5, 990, 3, 630
+    for reverse in (False, True):
+        stride_c = -1 if reverse else 1
+        strides = (nr * nc, nc, stride_c)
+        first = nc - 1 if reverse else 0  # where column c0 lands
+        tabled = torch.empty(nb, nr, nc, dtype=dtype)
+        for threads in (1, 2, 3):
+            tabled.fill_(7.0)
+            _run([_op("fp8_block", _mem(w, "F8_E4M3"), _mem(s, sname), tabled, (batch, rows, cols), block,
+                      box=(b0, nb, r0, nr, c0, nc), dst_offset=first, dst_strides=strides)],
+                 engine=native.CopyEngine(threads))  # fmt: skip
+            by_row = torch.full((nb, nr, nc), 7.0, dtype=dtype)
+            ops = [
+                _op("fp8_block", _mem(w, "F8_E4M3"), _mem(s, sname), by_row, (batch, rows, cols), block,
+                    box=(b, 1, r, 1, c0, nc), dst_offset=(b - b0) * nr * nc + (r - r0) * nc + first,
+                    dst_strides=strides)
+                for b in range(b0, b0 + nb) for r in range(r0, r0 + nr)
+            ]  # fmt: skip
+            _run(ops)
+            _same(tabled, by_row, bits)
+        assert torch.isnan(by_row).any() and torch.isinf(by_row).any()
+
+
+def test_mxfp4_transposed_tiles_equal_the_plain_path() -> None:
+    """The transposed path (tiles of 64 rows, column by column) against the untransposed one
+    (row by row), bit for bit: float8_e8m0fnu scales shared by 4 rows, more rows than one
+    piece (two pieces per expert, also from a box starting at row 1001), mid-group columns,
+    and a padded destination (column stride > the rows)."""
+    n_exp, rows, groups, block = 2, 40_000, 2, (4, 32)
+    gen = torch.Generator().manual_seed(33)
+    blocks = torch.randint(0, 256, (n_exp, rows, groups, 16), generator=gen, dtype=torch.uint8)
+    scales = torch.randint(100, 160, (n_exp, rows // block[0], groups), generator=gen, dtype=torch.uint8)
+    scales.view(-1)[:256] = torch.arange(256, dtype=torch.uint8)  # every exponent, 0xFF (NaN) included
+    scales = scales.view(torch.float8_e8m0fnu)
+    hidden = groups * 32
+    for b0, nb, r0, nr, c0, nc in [
+        (0, n_exp, 0, rows, 0, hidden),
+        (1, 1, 1001, 38_000, 0, hidden),
+        (0, 2, 7, 500, 17, 40),
+    ]:
+        plain = torch.empty(nb, nr, nc, dtype=torch.bfloat16)
+        _run([_op("mxfp4", _mem(blocks, "U8"), _mem(scales, "F8_E8M0"), plain, (n_exp, rows, hidden), block,
+                  box=(b0, nb, r0, nr, c0, nc))])  # fmt: skip
+        pad = nr + 3
+        out = torch.full((nb, nc, pad), 7.0, dtype=torch.bfloat16)
+        _run([_op("mxfp4", _mem(blocks, "U8"), _mem(scales, "F8_E8M0"), out, (n_exp, rows, hidden), block,
+                  box=(b0, nb, r0, nr, c0, nc), dst_strides=(nc * pad, 1, pad))])  # fmt: skip
+        _same(out[:, :, :nr].transpose(1, 2), plain, torch.int16)
+        assert (out[:, :, nr:] == 7.0).all()  # the padding is not written
