@@ -170,10 +170,11 @@ void spans(const DequantOp& op, const Geometry& g, const Piece& p, int64_t* wlo,
   *shi = ((p.b * g.sr + (p.rb - 1) / op.block_r) * g.sc + (c1 - 1) / op.block_c + 1) * g.s_isz;
 }
 
-// A NaN scale: torch's product is the scale's NaN, quieted, even when the value
-// is a NaN too (its kernel puts the scale first); C++'s x * sc may keep x's
-// payload instead, so it is not left to the compiler.
-inline float quieted(float sc) {
+// One FP8 output before rounding. A NaN scale: torch's product is the scale's NaN,
+// quieted, even when the value is a NaN too (its kernel puts the scale first); C++'s
+// x * sc may keep x's payload instead, so it is not left to the compiler.
+inline float fp8_product(const float* wl, uint8_t x, float sc) {
+  if (!std::isnan(sc)) return wl[x] * sc;
   uint32_t bits;
   std::memcpy(&bits, &sc, 4);
   bits |= 0x00400000u;
@@ -185,15 +186,10 @@ inline float quieted(float sc) {
 // An FP8 block's outputs are one of 256 values, one per weight byte: a table of
 // them, each rounded as `store` rounds it, turns each element into one lookup
 // (kDequantTableMin, dequant.h: the block region that pays for one).
-
 template <typename Store>
 void fp8_table(const float* wl, float sc, Store store, int64_t d_isz, unsigned char* table) {
-  if (std::isnan(sc)) {
-    const float q = quieted(sc);
-    for (int x = 0; x < 256; ++x) store(reinterpret_cast<char*>(table + x * d_isz), q);
-  } else {
-    for (int x = 0; x < 256; ++x) store(reinterpret_cast<char*>(table + x * d_isz), wl[x] * sc);
-  }
+  for (int x = 0; x < 256; ++x)
+    store(reinterpret_cast<char*>(table + x * d_isz), fp8_product(wl, static_cast<uint8_t>(x), sc));
 }
 
 // Row [ca, cz) of a block: each weight byte's table entry, d_isz bytes, at `out` (stride_c items).
@@ -245,12 +241,8 @@ void run_piece(const DequantOp& op, const Geometry& g, const Piece& p, const cha
             continue;
           }
           const float sc = load_scale(sd, srow + cb * g.s_isz);
-          if (std::isnan(sc)) {
-            const float q = quieted(sc);
-            for (int64_t c = ca; c < cz; ++c) store(out + (c - ca) * op.dst_stride_c * g.d_isz, q);
-          } else {
-            for (int64_t c = ca; c < cz; ++c) store(out + (c - ca) * op.dst_stride_c * g.d_isz, wl[wrow[c]] * sc);
-          }
+          for (int64_t c = ca; c < cz; ++c)
+            store(out + (c - ca) * op.dst_stride_c * g.d_isz, fp8_product(wl, wrow[c], sc));
         }
       }
       ra = rb;
