@@ -12,6 +12,7 @@ from torch import nn
 
 import streamload
 from streamload.io.copy_ops import bit_view as bits
+from streamload.tools.quantized import hf_reference_kwargs
 
 _GROUPS: dict[int, Any] = {}
 MISSING_PATH = "/nonexistent/streamload/ckpt"
@@ -57,7 +58,7 @@ def reference(ckpt: str, dtype: torch.dtype | None):
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        return AutoModelForCausalLM.from_pretrained(ckpt, dtype=dtype or "auto")
+        return AutoModelForCausalLM.from_pretrained(ckpt, dtype=dtype or "auto", **hf_reference_kwargs(ckpt))
 
 
 def tied(model: nn.Module) -> bool | None:

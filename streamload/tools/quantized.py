@@ -153,6 +153,28 @@ def make_fp8_checkpoint(
     return ckpt
 
 
+def hf_reference_kwargs(ckpt: str | os.PathLike) -> dict[str, Any]:
+    """Keywords that make transformers' ``from_pretrained`` of ``ckpt`` the dequantized reference.
+
+    An MXFP4 checkpoint gets ``Mxfp4Config(dequantize=True)``: with the ``kernels`` package and
+    triton installed (transformers >= 5.2x pulls ``kernels``), transformers would otherwise keep the
+    experts in MXFP4 and fetch ``kernels-community/gpt-oss-triton-kernels`` from the hub, which an
+    offline machine refuses; without them it dequantized anyway. Other checkpoints get nothing.
+
+    Example:
+        >>> AutoModelForCausalLM.from_pretrained(ckpt, dtype="auto", **hf_reference_kwargs(ckpt))
+    """
+    config = Path(ckpt) / "config.json"
+    if not config.is_file():
+        return {}
+    quant = json.loads(config.read_text()).get("quantization_config") or {}
+    if quant.get("quant_method") != "mxfp4":
+        return {}
+    from transformers import Mxfp4Config  # type: ignore[attr-defined]
+
+    return {"quantization_config": Mxfp4Config(dequantize=True)}
+
+
 def make_mxfp4_checkpoint(out_dir: str | os.PathLike, model_type: str = "gpt_oss", **kw: Any) -> Path:
     """A random checkpoint with MXFP4 fused experts (GPT-OSS layout).
 

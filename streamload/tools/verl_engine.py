@@ -6,6 +6,7 @@ names it looks up patched the way a user's diff of verl would change them."""
 from __future__ import annotations
 
 import contextlib
+import os
 import warnings
 from collections.abc import Callable, Iterator
 from types import SimpleNamespace
@@ -137,10 +138,28 @@ def verl_build(
     for k, v in patched.items():
         setattr(impl, k, v)
     try:
-        yield
+        with hub_kernels_off():
+            yield
     finally:
         for k, v in saved.items():
             setattr(impl, k, v)
+
+
+@contextlib.contextmanager
+def hub_kernels_off() -> Iterator[None]:
+    """``USE_HUB_KERNELS=0`` while verl builds its module, as a verl user on transformers >= 5.2x
+    with the ``kernels`` package must set it (docs/clients/verl.md): transformers' ``from_pretrained``
+    kernelizes by default when ``kernels`` is installed, and ``kernels`` refuses verl's meta init on
+    ranks >= 1 (``ValueError: Unsupported device type 'meta'``) - verl 0.9.1 pins transformers < 5.11,
+    which had no such default. A variable the caller set is left as it is."""
+    if "USE_HUB_KERNELS" in os.environ:
+        yield
+        return
+    os.environ["USE_HUB_KERNELS"] = "0"
+    try:
+        yield
+    finally:
+        os.environ.pop("USE_HUB_KERNELS", None)
 
 
 _MESH: dict[int, Any] = {}

@@ -61,7 +61,9 @@ def quiet_from_pretrained(ckpt: str, dtype: torch.dtype, **kw: Any) -> nn.Module
     logging.disable_progress_bar()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        return AutoModelForCausalLM.from_pretrained(ckpt, dtype=dtype, **kw)
+        from ..quantized import hf_reference_kwargs
+
+        return AutoModelForCausalLM.from_pretrained(ckpt, dtype=dtype, **{**hf_reference_kwargs(ckpt), **kw})
 
 
 def load_streamload(ckpt: str, mesh: Any, dtype: torch.dtype, opts: dict[str, Any]) -> nn.Module:
