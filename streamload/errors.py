@@ -141,6 +141,51 @@ class RemoteRankError(StreamloadError):
     """Another rank failed; raised on the ranks that were waiting for it."""
 
 
+class PeerError(StreamloadError):
+    """A peer rank is missing from a call: it never arrived, or it was lost during it.
+
+    Attributes:
+        ranks: the group ranks concerned (absent, lost or interrupted).
+        step: the entry point (``load_checkpoint``, ``save_pretrained``, ...).
+    """
+
+    def __init__(
+        self,
+        reason: str,
+        file: str | None = None,
+        tensor: str | None = None,
+        rank: int | None = None,
+        *,
+        ranks: list[int] | None = None,
+        step: str | None = None,
+        hint: str | None = None,
+    ) -> None:
+        super().__init__(reason, file, tensor, rank, hint=hint)
+        self.ranks = list(ranks or [])
+        self.step = step
+
+
+class RankAbsentError(PeerError, TimeoutError):
+    """Ranks of the group did not call the entry point within ``timeout`` seconds (they raised
+    or returned before it, or are stuck); no collective was started, nothing was loaded or written."""
+
+    def __str__(self) -> str:
+        return StreamloadError.__str__(self)
+
+
+class RankLostError(PeerError):
+    """Ranks left during the call (killed, interrupted, their host gone); the survivors name them.
+    The process group is unusable afterwards: destroy it and restart."""
+
+
+class OptionMismatchError(StreamloadError, ValueError):
+    """The ranks called different entry points, or passed different values of an option that
+    every rank must pass alike (``src_rank=``, ``readers=``, ``dtype=``, ...)."""
+
+    def __str__(self) -> str:
+        return StreamloadError.__str__(self)
+
+
 class SaveError(StreamloadError):
     """A save failed on some rank (``rank`` names it); raised on every rank of the save,
     after the temporary directory was removed: the target directory was left as it was."""

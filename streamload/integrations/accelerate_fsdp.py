@@ -15,13 +15,20 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..load.source import resolve_group
 from ..report import LoadReport
+from ..transport.arrival import meeting
 from .areal import model_mesh
 from .frameworks import fsdp2_load_full_state_dict as _verl_load
 
 
 def fsdp2_load_full_state_dict(
-    accelerator: Any, model: nn.Module, full_sd: Mapping[str, torch.Tensor] | Any, cpu_offload: bool = False
+    accelerator: Any,
+    model: nn.Module,
+    full_sd: Mapping[str, torch.Tensor] | Any,
+    cpu_offload: bool = False,
+    *,
+    timeout: float | None = None,
 ) -> LoadReport:
     """accelerate's ``fsdp2_load_full_state_dict``, streamed (same signature and effect).
 
@@ -36,6 +43,7 @@ def fsdp2_load_full_state_dict(
         full_sd: the main process's full state dict (or a checkpoint path or
             ``streamload.Checkpoint.lazy(path)``); ignored elsewhere.
         cpu_offload: True under ``CPUOffloadPolicy``: parameters end on the CPU.
+        timeout: seconds to wait for peers that have not called (see ``load_checkpoint``).
 
     Returns:
         The LoadReport (accelerate ignores it).
@@ -48,4 +56,6 @@ def fsdp2_load_full_state_dict(
     """
     # verl's entry reads global rank 0; accelerate's main process is global rank 0 too.
     source = full_sd if getattr(accelerator, "is_main_process", True) else {}
-    return _verl_load(model, source, model_mesh(model), True if cpu_offload else None)
+    mesh = model_mesh(model)
+    with meeting("accelerate_fsdp2_load_full_state_dict", resolve_group(None, mesh), timeout):
+        return _verl_load(model, source, mesh, True if cpu_offload else None)

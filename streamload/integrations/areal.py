@@ -21,6 +21,7 @@ from ..io.checkpoint import Checkpoint
 from ..load.source import resolve_device, resolve_group
 from ..model.state import record_state
 from ..report import LoadReport
+from ..transport.arrival import meeting
 from ..transport.protocol import gather_or_raise
 from .frameworks import fsdp2_load_full_state_dict as _verl_load
 
@@ -86,6 +87,8 @@ def fsdp2_load_full_state_dict(
     full_state: Mapping[str, torch.Tensor] | Checkpoint | str | os.PathLike | Any,
     cpu_offload: Any = None,
     tie_word_embeddings: bool = False,
+    *,
+    timeout: float | None = None,
 ) -> LoadReport:
     """AReaL's ``fsdp2_load_full_state_dict``, streamed (same signature and effect).
 
@@ -108,6 +111,7 @@ def fsdp2_load_full_state_dict(
             identity and transformers' declarations) and kept on every rank; a flag saying
             tied for a model that neither ties nor declares the head to the embedding is a
             ``TieError`` on every rank before the load.
+        timeout: seconds to wait for peers that have not called (see ``load_checkpoint``).
 
     Returns:
         The LoadReport (AReaL ignores the return value).
@@ -118,5 +122,6 @@ def fsdp2_load_full_state_dict(
         ...                            tie_word_embeddings=model_config.tie_word_embeddings)
     """
     mesh = model_mesh(model)
-    _check_tie_flag(model, tie_word_embeddings, mesh)
-    return _verl_load(model, full_state, mesh, cpu_offload)
+    with meeting("areal_fsdp2_load_full_state_dict", resolve_group(None, mesh), timeout):
+        _check_tie_flag(model, tie_word_embeddings, mesh)
+        return _verl_load(model, full_state, mesh, cpu_offload)

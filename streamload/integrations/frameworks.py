@@ -13,6 +13,7 @@ from ..io.checkpoint import Checkpoint
 from ..load.driver import load_checkpoint
 from ..load.source import resolve_device, resolve_group
 from ..report import LoadReport
+from ..transport.arrival import meeting
 from .verl import agree_buffers, install_buffers
 
 
@@ -22,6 +23,8 @@ def fsdp2_load_full_state_dict(
     device_mesh: Any = None,
     cpu_offload: Any = None,
     buffers: Mapping[str, torch.Tensor] | None = None,
+    *,
+    timeout: float | None = None,
 ) -> LoadReport:
     """verl's ``fsdp2_load_full_state_dict``, streamed.
 
@@ -42,6 +45,7 @@ def fsdp2_load_full_state_dict(
         buffers: newer verl's keyword: on rank 0, buffer name -> value; after the load every
             rank's buffer holds rank 0's value (names, shapes and dtypes are checked on every
             rank before any weight moves; see ``integrations.verl``).
+        timeout: seconds to wait for peers that have not called (see ``load_checkpoint``).
 
     Returns:
         The LoadReport (verl ignores the return value).
@@ -51,13 +55,15 @@ def fsdp2_load_full_state_dict(
     """
     rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
     source = full_state if rank == 0 else None
-    wire = resolve_device(model, device_mesh, resolve_group(None, device_mesh))
-    names = agree_buffers(model, buffers if rank == 0 else None, device_mesh, wire)
-    report = load_checkpoint(model, source, device_mesh=device_mesh, strict=True, progress=False)
-    install_buffers(model, buffers, names, device_mesh)
-    if cpu_offload is not None:
-        offload_parameters(model)
-    return report
+    group = resolve_group(None, device_mesh)
+    with meeting("fsdp2_load_full_state_dict", group, timeout):
+        wire = resolve_device(model, device_mesh, group)
+        names = agree_buffers(model, buffers if rank == 0 else None, device_mesh, wire)
+        report = load_checkpoint(model, source, device_mesh=device_mesh, strict=True, progress=False)
+        install_buffers(model, buffers, names, device_mesh)
+        if cpu_offload is not None:
+            offload_parameters(model)
+        return report
 
 
 def offload_parameters(model: nn.Module) -> None:

@@ -19,6 +19,7 @@ from ..load.prepare import LoadOptions
 from ..load.source import compare_tied, open_source, resolve_device, resolve_group
 from ..model.state import ModelState, rebind_ties, record_state
 from ..timeline import PhaseClock
+from ..transport.arrival import meeting
 from ..transport.protocol import gather_or_raise
 
 
@@ -198,7 +199,8 @@ def from_pretrained(
         shard_fn: ``callable(model, mesh)``; default: ``default_shard_fn``.
         dtype: parameter dtype (default: the checkpoint's, as transformers' "auto").
         src_rank, bucket_bytes, strict, progress: see ``load_checkpoint``.
-        load_kwargs: ``load_checkpoint``'s other knobs; ``quantized="keep"`` with an FP8
+        load_kwargs: ``load_checkpoint``'s other knobs (``timeout=`` included: the wait for peers
+            that have not called, see ``load_checkpoint``); ``quantized="keep"`` with an FP8
             block-scaled checkpoint builds transformers' ``FP8Linear`` modules and loads the fp8
             weights and their ``weight_scale_inv`` as they are (default: dequantize into ``dtype``).
 
@@ -209,6 +211,39 @@ def from_pretrained(
     Example:
         >>> model = streamload.from_pretrained("/ckpt", dtype=torch.float32)
     """
+    group = resolve_group(None, device_mesh)
+    agreed = {"src_rank": src_rank, "strict": strict, "bucket_bytes": bucket_bytes, "dtype": dtype}
+    agreed.update(
+        {k: load_kwargs[k] for k in ("slots", "readers", "quantized", "unexpected") if k in load_kwargs}
+    )
+    with meeting("from_pretrained", group, load_kwargs.get("timeout"), agreed):
+        return _from_pretrained(
+            path,
+            model_cls,
+            device_mesh,
+            shard_fn,
+            dtype,
+            src_rank,
+            bucket_bytes,
+            strict,
+            progress,
+            load_kwargs,
+        )
+
+
+def _from_pretrained(
+    path: str | os.PathLike,
+    model_cls: Any,
+    device_mesh: Any,
+    shard_fn: Callable[[nn.Module, Any], None] | None,
+    dtype: torch.dtype | None,
+    src_rank: int,
+    bucket_bytes: int | None,
+    strict: bool,
+    progress: bool | None,
+    load_kwargs: dict[str, Any],
+) -> nn.Module:
+    """``from_pretrained`` once the ranks met."""
     clock = PhaseClock()  # the report's phases cover the whole call: config, build and shard too
     try:
         from accelerate import init_empty_weights

@@ -14,11 +14,12 @@ from torch import nn
 from ..io.checkpoint import Checkpoint
 from ..report import LoadReport
 from ..timeline import PhaseClock, current, recording
+from ..transport.arrival import meeting
 from ..transport.readers import ReaderMode
 from ..transport.strategies import StreamResult
 from .finalize import finalize
 from .prepare import LoadOptions, prepare
-from .source import OpenedSource
+from .source import OpenedSource, resolve_group
 
 
 def load_checkpoint(
@@ -44,6 +45,7 @@ def load_checkpoint(
     prefault: bool | None = None,
     node: str | None = None,
     storage_options: dict[str, Any] | None = None,
+    timeout: float | None = None,
 ) -> LoadReport:
     """Streams a safetensors checkpoint into an FSDP2 (or plain) model.
 
@@ -132,6 +134,11 @@ def load_checkpoint(
             (bytes between a bucket's spans that a later bucket reads, fetched along and held
             until read, at most; default 128 MiB, 0: none); the standard environment
             (``AWS_ENDPOINT_URL``, ``AWS_*`` credentials) applies where a key is not given.
+        timeout: seconds to wait for peers that have not called yet (None: ``STREAMLOAD_TIMEOUT``,
+            else 300). It bounds only the wait for the group's ranks to arrive, never the load:
+            a rank that raised or returned before calling becomes ``RankAbsentError`` on the
+            others; ranks passing different ``src_rank``, ``strict``, ``bucket_bytes``, ``slots``,
+            ``readers``, ``quantized`` or ``unexpected`` get ``OptionMismatchError``.
 
     Returns:
         A LoadReport.
@@ -145,7 +152,9 @@ def load_checkpoint(
     clock = PhaseClock()
     knobs = locals()  # every keyword above is a LoadOptions field of the same name
     options = LoadOptions(**{f.name: knobs[f.name] for f in fields(LoadOptions)})
-    return run_load(model, path, options, clock=clock)
+    group = resolve_group(process_group, device_mesh)
+    with meeting("load_checkpoint", group, timeout, options.agreed()):
+        return run_load(model, path, options, clock=clock)
 
 
 def run_load(

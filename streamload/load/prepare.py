@@ -121,6 +121,14 @@ class LoadOptions:
     prefault: bool | None = None
     node: str | None = None
     storage_options: dict[str, Any] | None = None
+    timeout: float | None = None
+
+    def agreed(self) -> dict[str, Any]:
+        """The options every rank of the load must pass alike (checked when the ranks meet)."""
+        return {
+            k: getattr(self, k)
+            for k in ("src_rank", "strict", "bucket_bytes", "slots", "readers", "quantized", "unexpected")
+        }
 
 
 @dataclass

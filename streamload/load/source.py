@@ -64,9 +64,32 @@ def resolve_group(process_group: dist.ProcessGroup | None, device_mesh: Any) -> 
         if device_mesh.ndim == 1:
             return device_mesh.get_group()
         if device_mesh.size() != dist.get_world_size():
-            # An N-d mesh over part of the world: its flattened group spans it.
-            return device_mesh._flatten().get_group()
+            return mesh_group(device_mesh)
     return dist.group.WORLD
+
+
+# Groups over N-d meshes' ranks, made once per (ranks, backend) and kept for the process's life.
+_MESH_GROUPS: dict[tuple[tuple[int, ...], str], dist.ProcessGroup] = {}
+
+
+def mesh_group(device_mesh: Any) -> dist.ProcessGroup:
+    """A group over every rank of an N-d mesh that covers part of the world (``mesh["dp", "tp"]``
+    of one pipeline stage), created by its members alone.
+
+    Not ``device_mesh._flatten()``: that calls ``new_group``, which every rank of the world must
+    call (torch names groups from a counter only its callers advance); called by one stage's
+    ranks, the next world-wide ``new_group`` hangs. ``use_local_synchronization=True`` names the
+    group by a hash of its ranks and advances no counter; the group is kept (never destroyed),
+    so the hash is never reused for another group of the same ranks.
+    """
+    ranks = tuple(sorted(int(r) for r in device_mesh.mesh.flatten().tolist()))
+    backend = str(dist.get_backend(device_mesh.get_group(0)))
+    key = (ranks, backend)
+    if key not in _MESH_GROUPS:
+        group = dist.new_group(list(ranks), backend=backend, use_local_synchronization=True)
+        assert group is not None  # this rank is one of ``ranks``
+        _MESH_GROUPS[key] = group
+    return _MESH_GROUPS[key]
 
 
 def resolve_device(model: nn.Module, device_mesh: Any, group: dist.ProcessGroup | None) -> torch.device:

@@ -15,10 +15,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..errors import SaveError
+from ..errors import RankLostError, SaveError
 from ..io.copy_ops import ITEMSIZE
 from ..load.source import resolve_device, resolve_group
 from ..timeline import PhaseClock
+from ..transport.arrival import meeting
 from ..transport.collectives import all_gather_object
 from ..transport.protocol import carries_cpu
 from .commit import open_output
@@ -147,6 +148,7 @@ def save_pretrained(
     config: Any = None,
     progress: bool | None = None,
     bucket_bytes: int | None = None,
+    timeout: float | None = None,
 ) -> SaveReport:
     """Writes ``model`` as the Hugging Face checkpoint transformers' ``save_pretrained``
     writes for the same gathered model; collective over the save's group.
@@ -166,19 +168,25 @@ def save_pretrained(
             rank sees), ``"src"`` (one rank writes, the others send their pieces) or
             ``"auto"`` (owners when every rank sees the temporary directory, else src).
         process_group: the save's group (default: ``device_mesh``'s ranks - a 1-D mesh's group,
-            an N-d mesh over part of the world flattened -, else the default group when
+            a group over an N-d mesh's ranks made by them alone (``load.source.mesh_group``) -, else the default group when
             torch.distributed is initialized, else one process). It must hold every rank
             that holds a shard: a smaller group is a ``SaveError`` on every rank.
         device_mesh: the model's mesh (finds the group and the device of the agreements).
         config: the config to write (default ``model.config``).
         progress: reserved for a progress bar (the save logs nothing by default).
         bucket_bytes: host buffer bytes per rank (default 64 MiB).
+        timeout: seconds to wait for peers that have not called (None: ``STREAMLOAD_TIMEOUT``,
+            else 300); it bounds only that wait, never the save. Ranks that never call make
+            ``RankAbsentError`` on the others; different ``dtype``, ``max_shard_size``,
+            ``writers`` or ``bucket_bytes`` across ranks, ``OptionMismatchError``.
 
     Returns:
         SaveReport for this rank.
 
     Raises:
-        SaveError: on every rank when any rank failed; ``out_dir`` is left as it was.
+        SaveError: on every rank when any rank failed (a rank lost mid-save included, named);
+            ``out_dir`` is left as it was.
+        RankAbsentError, OptionMismatchError: before anything was written.
 
     Example:
         >>> model = streamload.from_pretrained("Qwen/Qwen2.5-0.5B-local")
@@ -187,8 +195,35 @@ def save_pretrained(
     del progress
     if writers not in WRITERS:
         raise ValueError(f"writers must be one of {WRITERS}, not {writers!r}")
-    clock = PhaseClock()
     group = resolve_group(process_group, device_mesh)
+    agreed = {
+        "dtype": dtype,
+        "max_shard_size": max_shard_size,
+        "writers": writers,
+        "bucket_bytes": bucket_bytes,
+    }
+    try:
+        with meeting("save_pretrained", group, timeout, agreed):
+            return _save(
+                model, out_dir, dtype, max_shard_size, writers, group, device_mesh, config, bucket_bytes
+            )
+    except RankLostError as exc:  # a peer died: the save's promise is a SaveError, the lost ranks named
+        raise SaveError(exc.reason, rank=exc.rank, hint=exc.hint) from exc
+
+
+def _save(
+    model: nn.Module,
+    out_dir: str | os.PathLike,
+    dtype: torch.dtype | None,
+    max_shard_size: int | str,
+    writers: str,
+    group: dist.ProcessGroup | None,
+    device_mesh: Any,
+    config: Any,
+    bucket_bytes: int | None,
+) -> SaveReport:
+    """``save_pretrained`` once the ranks met."""
+    clock = PhaseClock()
     rank = dist.get_rank(group) if group is not None else 0
     bucket = int(bucket_bytes) if bucket_bytes else DEFAULT_BUCKET_BYTES
     report = SaveReport()

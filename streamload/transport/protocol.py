@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from ..errors import RemoteRankError, StreamloadError
+from .arrival import interrupt_pending, take_interrupt
 from .collectives import all_gather_object
 
 log = logging.getLogger("streamload")
@@ -25,6 +26,8 @@ log = logging.getLogger("streamload")
 
 def portable(exc: BaseException, rank: int) -> StreamloadError:
     """``exc`` as a picklable streamload error that carries ``rank``."""
+    if isinstance(exc, KeyboardInterrupt):
+        return RemoteRankError("interrupted (KeyboardInterrupt)", rank=rank)
     if isinstance(exc, StreamloadError):
         if exc.rank is None:
             exc.rank = rank
@@ -50,7 +53,12 @@ def raise_agreed(local: BaseException | None, gathered: list[Any]) -> None:
 def gather_or_raise(
     value: Any, local: BaseException | None, rank: int, group: dist.ProcessGroup | None, device: torch.device
 ) -> list[Any]:
-    """All-gathers ``value`` (or this rank's error) and raises everywhere on any error."""
+    """All-gathers ``value`` (or this rank's error) and raises everywhere on any error.
+
+    A Ctrl-C deferred on this rank (``arrival``) is its error here: the peers raise it as a
+    named error, this rank raises ``KeyboardInterrupt``."""
+    if local is None and take_interrupt():
+        local = KeyboardInterrupt()
     payload = portable(local, rank) if local is not None else value
     gathered = all_gather_object(payload, group, device)
     raise_agreed(local, gathered)
@@ -74,6 +82,7 @@ class StatusCheck:
         self.single = group is None or dist.get_world_size(group) == 1
 
     def post(self, local_failed: bool) -> tuple[Any, torch.Tensor]:
+        local_failed = local_failed or interrupt_pending()  # a deferred Ctrl-C stops every rank
         flag = torch.full((1,), 1 if local_failed else 0, dtype=torch.int32, device=self.device)
         if self.single:
             return None, flag
