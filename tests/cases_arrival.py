@@ -158,7 +158,8 @@ def case_interrupt_between_halves(rank: int, world: int, *, ckpt: str, victim: i
         return out
 
     if rank == victim:
-        c10d.all_gather = all_gather
+        c10d.all_gather = all_gather  # what torch's own all_gather_object calls
+        dist.all_gather = all_gather  # what streamload's object gather calls
     t0 = time.perf_counter()
     exc: BaseException | None = None
     try:
@@ -166,7 +167,7 @@ def case_interrupt_between_halves(rank: int, world: int, *, ckpt: str, victim: i
     except BaseException as e:  # noqa: BLE001 - reported (KeyboardInterrupt included)
         exc = e
     finally:
-        c10d.all_gather = real
+        c10d.all_gather = dist.all_gather = real
     row = _row(exc, t0, gathers=calls["n"])
     # The group still works: every rank loads again.
     streamload.load_checkpoint(_MODEL["model"], ckpt, device_mesh=mesh, progress=False)
@@ -181,19 +182,31 @@ def case_killed_mid_call(rank: int, world: int, *, ckpt: str, entry: str, reader
     mesh = _mesh(world)
     model = _MODEL["model"]
     if rank == world - 1:
-        real_unpack, real_write = stream.unpack, save_driver._write
+        from streamload.transport.pack import Packer
+
+        real_unpack, real_pack = stream.unpack, Packer.pack
+        calls = {"n": 0}
+
+        def dies_at(real: Any, nth: int) -> Any:
+            def call(*args: Any, **kwargs: Any) -> Any:
+                calls["n"] += 1
+                if calls["n"] == nth:  # the stream runs (its buffers agreed, buckets moving)
+                    os.kill(os.getpid(), signal.SIGKILL)
+                return real(*args, **kwargs)
+
+            return call
 
         def die(*args: Any, **kwargs: Any) -> Any:
             os.kill(os.getpid(), signal.SIGKILL)
 
-        stream.unpack = die  # type: ignore[assignment]
+        stream.unpack = dies_at(real_unpack, 2)  # src: a receiver unpacks each bucket
+        Packer.pack = dies_at(real_pack, 1)  # type: ignore[method-assign]  # owners: each rank packs its own
         save_driver._write = die  # type: ignore[assignment]
-        del real_unpack, real_write
     t0 = time.perf_counter()
     exc: BaseException | None = None
     try:
         if entry == "load_checkpoint":
-            kw: dict[str, Any] = {"bucket_bytes": 1 << 16, "readers": readers}
+            kw: dict[str, Any] = {"bucket_bytes": 1 << 12, "readers": readers}
             streamload.load_checkpoint(model, ckpt, device_mesh=mesh, progress=False, **kw)
         else:
             streamload.save_pretrained(model, out_dir, device_mesh=mesh, writers=readers)

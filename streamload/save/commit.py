@@ -47,6 +47,7 @@ import torch
 import torch.distributed as dist
 
 from ..errors import RemoteRankError, SaveError
+from ..transport.arrival import lost_peer
 from ..transport.collectives import all_gather_object, broadcast_object
 from ..transport.protocol import carries_cpu
 
@@ -414,6 +415,11 @@ class Output:
         local = error if error is not None else (None if ok else SaveError("this rank's writes failed"))
         closed = self._close_fds()
         local = local or closed
+        if local is not None and lost_peer(local):
+            # A peer is gone: no agreement can complete. Every survivor removes the save's own
+            # temporary directory (a random name this save made) and the meeting names the lost rank.
+            shutil.rmtree(self.tmp_dir, ignore_errors=True)
+            raise local
         try:
             try:
                 self.agree(local)

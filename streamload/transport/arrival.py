@@ -47,6 +47,7 @@ ENV = "STREAMLOAD_TIMEOUT"
 # How long survivors of a lost peer wait for each other's answer to the roll call.
 ROLL_CALL_SECONDS = 10.0
 _LOST_MARKERS = (
+    "streamload: a peer said:",
     "connection closed by peer",
     "connection reset by peer",
     "broken pipe",
@@ -189,7 +190,9 @@ def meeting(
             yield m
         except BaseException as exc:
             _post_left(m, exc)
-            if _is_lost_peer(exc):
+            if lost_peer(exc):
+                with contextlib.suppress(Exception):  # peers stalled on this rank stop waiting
+                    m.store.set(m.key("lost"), f"rank {m.me} lost a peer connection ({exc})")
                 raise _roll_call(m, exc) from exc
             raise
         finally:
@@ -257,8 +260,7 @@ def _verdict(m: Meeting) -> str:
     """The last rank in compares what every rank posted: ``go`` or ``differ:<which>``."""
     keys = [m.key("in", r) for r in range(m.world)]
     posted = [json.loads(v) for v in m.store.multi_get(keys)]
-    first = posted[0]
-    for name in sorted({k for p in posted for k in p}):
+    for name in sorted({k for p in posted for k in p}, key=lambda k: (k != "step", k)):
         values: dict[str, list[int]] = {}
         for r, p in enumerate(posted):
             values.setdefault(str(p.get(name, "<not passed>")), []).append(r)
@@ -266,7 +268,6 @@ def _verdict(m: Meeting) -> str:
             what = "called different entry points" if name == "step" else f"passed different {name}="
             shown = "; ".join(f"{v} on ranks {_short(rs)}" for v, rs in values.items())
             return f"differ:the ranks {what}: {shown}"
-    del first
     return "go"
 
 
@@ -280,12 +281,45 @@ def _short(ranks: Any) -> str:
     return str(ranks) if len(ranks) <= 16 else f"[{ranks[0]}..{ranks[-1]}] ({len(ranks)} ranks)"
 
 
+def wait_work(work: Any) -> None:
+    """``work.wait()``, except that inside a call it also watches the store for a peer's note
+    that a rank is gone, and then raises instead of waiting on a peer that already left.
+
+    A rank whose collective stalls on a live peer that left (it saw the loss in an earlier
+    collective) would otherwise wait for the group's own timeout. Polls ``is_completed`` with
+    a short sleep (a status flag is usually complete when read: nothing is lost there) and
+    asks the store once a second.
+    """
+    m = current()
+    if m is None or work is None:
+        if work is not None:
+            work.wait()
+        return
+    nap, asked = 0.0002, time.monotonic()
+    while not work.is_completed():
+        time.sleep(nap)
+        nap = min(nap * 2, 0.02)
+        if time.monotonic() - asked >= 1.0:
+            asked = time.monotonic()
+            if m.store.check([m.key("lost")]):
+                raise RuntimeError(f"streamload: a peer said: {m.store.get(m.key('lost')).decode()}")
+    work.wait()
+
+
+def raise_if_lost(exc: BaseException) -> None:
+    """Re-raises ``exc`` when it says a peer is gone: after that no collective can complete, so
+    error paths that would announce it in a status check or an agreement must not try."""
+    if lost_peer(exc):
+        raise exc
+
+
 def _post_left(m: Meeting, exc: BaseException) -> None:
     with contextlib.suppress(Exception):
         m.store.set(m.key("left", m.me), f"{type(exc).__name__}: {str(exc)[:300]} (in {m.phase})")
 
 
-def _is_lost_peer(exc: BaseException) -> bool:
+def lost_peer(exc: BaseException) -> bool:
+    """Whether ``exc`` is the transport saying a peer is gone (gloo's closed connection)."""
     if isinstance(exc, StreamloadError) or not isinstance(exc, RuntimeError):
         return False
     text = str(exc).lower()

@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 
 from ..plan.buckets import Bucket
+from .arrival import wait_work
 
 
 class Transport:
@@ -74,8 +75,7 @@ class Transport:
 
     @staticmethod
     def wait(handle: Any) -> None:
-        if handle is not None:
-            handle.wait()
+        wait_work(handle)
 
 
 def broadcast_object(obj: Any, src: int, group: dist.ProcessGroup | None, device: torch.device) -> Any:
@@ -92,19 +92,17 @@ def all_gather_object(obj: Any, group: dist.ProcessGroup | None, device: torch.d
     if group is None or dist.get_world_size(group) == 1:
         return [obj]
     out: list[Any] = [None] * dist.get_world_size(group)
-    if device.type == "cpu":
-        dist.all_gather_object(out, obj, group=group)
-        return out
-    # all_gather_object on NCCL needs the current device set; pickle by hand instead.
+    # Pickled by hand (all_gather_object on NCCL needs the current device set), and waited for
+    # with ``wait_work``: a peer that left a broken call is noticed instead of waited for.
     data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8).to(device)
     size = torch.tensor([data.numel()], device=device)
     sizes = [torch.zeros_like(size) for _ in out]
-    dist.all_gather(sizes, size, group=group)
+    wait_work(dist.all_gather(sizes, size, group=group, async_op=True))
     longest = int(max(s.item() for s in sizes))
     padded = torch.zeros(longest, dtype=torch.uint8, device=device)
     padded[: data.numel()] = data
     gathered = [torch.empty_like(padded) for _ in out]
-    dist.all_gather(gathered, padded, group=group)
+    wait_work(dist.all_gather(gathered, padded, group=group, async_op=True))
     return [
         pickle.loads(g[: int(s.item())].cpu().numpy().tobytes()) for g, s in zip(gathered, sizes, strict=True)
     ]

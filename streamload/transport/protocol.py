@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from ..errors import RemoteRankError, StreamloadError
-from .arrival import interrupt_pending, take_interrupt
+from .arrival import interrupt_pending, lost_peer, take_interrupt, wait_work
 from .collectives import all_gather_object
 
 log = logging.getLogger("streamload")
@@ -59,6 +59,8 @@ def gather_or_raise(
     named error, this rank raises ``KeyboardInterrupt``."""
     if local is None and take_interrupt():
         local = KeyboardInterrupt()
+    if local is not None and lost_peer(local):
+        raise local  # no agreement with a peer gone: the call's meeting names it (RankLostError)
     payload = portable(local, rank) if local is not None else value
     gathered = all_gather_object(payload, group, device)
     raise_agreed(local, gathered)
@@ -92,8 +94,7 @@ class StatusCheck:
     @staticmethod
     def result(handle: tuple[Any, torch.Tensor]) -> bool:
         work, flag = handle
-        if work is not None:
-            work.wait()
+        wait_work(work)
         return bool(flag.item())
 
     def any_failed(self, local_failed: bool) -> bool:

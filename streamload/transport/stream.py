@@ -16,6 +16,7 @@ from ..io.sources import Source
 from ..plan.buckets import Plan
 from ..report import progress_enabled
 from ..timeline import current
+from .arrival import raise_if_lost
 from .collectives import Transport
 from .pack import Packer, StagingRing
 from .prefault import populate_on_copy, prefault
@@ -174,6 +175,7 @@ def read_owned(
                 if bar is not None:
                     bar.update(sum(s.nbytes for s in bucket.segments[row]))
             except BaseException as exc:  # noqa: BLE001 - reported to every rank below
+                raise_if_lost(exc)  # a peer is gone: no status check or agreement can complete
                 failure = exc
             with tl.span("status", k):
                 if previous is not None and check.result(previous):
@@ -189,6 +191,7 @@ def read_owned(
                 try:
                     settle(device)
                 except BaseException as exc:  # noqa: BLE001 - reported to every rank below
+                    raise_if_lost(exc)  # a peer is gone: no status check or agreement can complete
                     failure = exc
                 failed = check.any_failed(failure is not None)
         if failed:
@@ -297,6 +300,7 @@ def _stream(
                     if bar is not None:
                         bar.update(sum(seg.nbytes for segs in bucket.segments for seg in segs))
             except BaseException as exc:  # noqa: BLE001 - reported to every rank below
+                raise_if_lost(exc)  # a peer is gone: no status check or agreement can complete
                 failure = exc
             # All ranks read the same verdict on bucket k-1 here, so all stop at the same bucket.
             with tl.span("status", k):
@@ -310,6 +314,7 @@ def _stream(
             try:
                 handle = transport.start(bucket, send, recv)
             except BaseException as exc:  # noqa: BLE001 - announced with the next status flag
+                raise_if_lost(exc)  # a peer is gone: no status check or agreement can complete
                 # The other ranks launch bucket k whatever happened here: a launch that failed
                 # before reaching the wire is replaced by one that can only move zeros, so no
                 # rank waits for it; the failure stops every rank at the next status check.
@@ -325,6 +330,7 @@ def _stream(
                         finish()
                     settle(device)
                 except BaseException as exc:  # noqa: BLE001
+                    raise_if_lost(exc)  # a peer is gone: no status check or agreement can complete
                     failure = exc
                 failed = check.any_failed(failure is not None)
             if not failed:
@@ -334,6 +340,7 @@ def _stream(
             try:
                 finish(unpack_it=False)
             except BaseException as exc:  # noqa: BLE001 - this rank still joins the agreement
+                raise_if_lost(exc)  # a peer is gone: no status check or agreement can complete
                 failure = failure or exc
         gather_or_raise(None, failure, me, group, device)
         raise RuntimeError("unreachable: a failure was signalled but none was gathered")
