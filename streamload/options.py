@@ -16,6 +16,7 @@ ENV_OVERRIDES: dict[str, str] = {
     "prefault": "STREAMLOAD_PREFAULT",
     "progress": "STREAMLOAD_PROGRESS",
     "node": "STREAMLOAD_NODE",
+    "timeout": "STREAMLOAD_TIMEOUT",  # read by transport/arrival.py (a number of seconds)
 }
 
 _TRUE = ("1", "true", "yes", "on")

@@ -148,6 +148,9 @@ METHODS = [
 # The collectives themselves: a rank that skips one leaves the others in it whatever the
 # code around it does (a transport failure). Their local steps are in the table instead.
 AGREEMENTS = {
+    # The arrival: every rank meets its peers in the store before the first collective (with a
+    # deadline; tests/test_arrival.py); a failure inside it is raised by the meeting's exit.
+    "streamload.integrations.pretrained:meeting",
     "streamload.integrations.pretrained:gather_or_raise",
     "streamload.integrations.pretrained:open_source",
     "streamload.load.source:broadcast_object",
@@ -170,6 +173,7 @@ EXEMPT = {
     "streamload.load.prepare:resolve_device": "picks the device the agreements run on",
     # Drivers: their steps are in the table (a failure at their entry is their first step's).
     "streamload.integrations.pretrained:run_load": "driver: its steps are in the table",
+    "streamload.integrations.pretrained:_from_pretrained": "driver: its steps are in the table",
     "streamload.load.driver:prepare": "driver: its steps are in the table",
     "streamload.load.driver:finalize": "driver: its steps are in the table",
     "streamload.transport.stream:_stream": "the pipeline: its steps are in the table",

@@ -16,7 +16,7 @@ from streamload.timeline import PhaseClock, top_level
 from streamload.tools.synthetic import make_checkpoint
 
 # Phases every from_pretrained reports, in the order they run (agreements included).
-PRETRAINED = ["setup", "open", "build", "shard", "agree_build", "state", "readers", "match", "materialize"]
+PRETRAINED = ["meet", "setup", "open", "build", "shard", "agree_build", "state", "readers", "match", "materialize"]
 LOAD = ["layout", "agree_layout", "plan", "map", "strategy_open", "agree_plan", "stream", "close"]
 END = ["ties", "agree_final", "finalize"]
 

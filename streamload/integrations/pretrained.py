@@ -216,7 +216,9 @@ def from_pretrained(
     agreed.update(
         {k: load_kwargs[k] for k in ("slots", "readers", "quantized", "unexpected") if k in load_kwargs}
     )
+    clock = PhaseClock()  # the report's phases cover the whole call: meeting, config, build, shard
     with meeting("from_pretrained", group, load_kwargs.get("timeout"), agreed):
+        clock.mark("meet")
         return _from_pretrained(
             path,
             model_cls,
@@ -228,6 +230,7 @@ def from_pretrained(
             strict,
             progress,
             load_kwargs,
+            clock,
         )
 
 
@@ -242,9 +245,9 @@ def _from_pretrained(
     strict: bool,
     progress: bool | None,
     load_kwargs: dict[str, Any],
+    clock: PhaseClock,
 ) -> nn.Module:
     """``from_pretrained`` once the ranks met."""
-    clock = PhaseClock()  # the report's phases cover the whole call: config, build and shard too
     try:
         from accelerate import init_empty_weights
         from transformers import AutoModelForCausalLM

@@ -154,6 +154,7 @@ def load_checkpoint(
     options = LoadOptions(**{f.name: knobs[f.name] for f in fields(LoadOptions)})
     group = resolve_group(process_group, device_mesh)
     with meeting("load_checkpoint", group, timeout, options.agreed()):
+        clock.mark("meet")
         return run_load(model, path, options, clock=clock)
 
 

@@ -41,9 +41,10 @@ from typing import Any
 import torch.distributed as dist
 
 from ..errors import OptionMismatchError, RankAbsentError, RankLostError, StreamloadError
+from ..options import ENV_OVERRIDES
 
 DEFAULT_TIMEOUT = 300.0
-ENV = "STREAMLOAD_TIMEOUT"
+ENV = ENV_OVERRIDES["timeout"]
 # How long survivors of a lost peer wait for each other's answer to the roll call.
 ROLL_CALL_SECONDS = 10.0
 _LOST_MARKERS = (
@@ -190,9 +191,9 @@ def meeting(
             yield m
         except BaseException as exc:
             _post_left(m, exc)
+            with contextlib.suppress(Exception):  # peers waiting on this rank stop waiting
+                m.store.set(m.key("lost"), f"rank {m.me} left {m.step} ({type(exc).__name__})")
             if lost_peer(exc):
-                with contextlib.suppress(Exception):  # peers stalled on this rank stop waiting
-                    m.store.set(m.key("lost"), f"rank {m.me} lost a peer connection ({exc})")
                 raise _roll_call(m, exc) from exc
             raise
         finally:

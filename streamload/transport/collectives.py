@@ -82,9 +82,14 @@ def broadcast_object(obj: Any, src: int, group: dist.ProcessGroup | None, device
     """Sends a picklable object from ``src`` to every rank (one collective)."""
     if group is None or dist.get_world_size(group) == 1:
         return obj
-    box = [obj if dist.get_rank() == src else None]
-    dist.broadcast_object_list(box, src=src, group=group, device=device)
-    return box[0]
+    # Pickled by hand and waited for with ``wait_work`` (see ``all_gather_object``).
+    mine = dist.get_rank() == src
+    data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8) if mine else None
+    size = torch.tensor([data.numel() if data is not None else 0], dtype=torch.int64, device=device)
+    wait_work(dist.broadcast(size, src=src, group=group, async_op=True))
+    buf = data.to(device) if data is not None else torch.empty(int(size.item()), dtype=torch.uint8, device=device)
+    wait_work(dist.broadcast(buf, src=src, group=group, async_op=True))
+    return obj if mine else pickle.loads(buf.cpu().numpy().tobytes())
 
 
 def all_gather_object(obj: Any, group: dist.ProcessGroup | None, device: torch.device) -> list[Any]:
