@@ -219,3 +219,14 @@ def case_meeting_keys(rank: int, world: int) -> dict:
     """What the meeting relies on in torch: the default store and its operations."""
     store = arrival.default_store()
     return {"store": type(store).__name__, "ops": all(hasattr(store, op) for op in ("compare_set", "multi_get"))}
+
+
+def case_store_stays_small(rank: int, world: int, *, ckpt: str) -> list[int]:
+    """The store's key count after each of 6 loads: flat once two meetings are held."""
+    mesh = _mesh(world)
+    counts = []
+    for _ in range(6):
+        streamload.load_checkpoint(_MODEL["model"], ckpt, device_mesh=mesh, progress=False)
+        dist.barrier()
+        counts.append(arrival.default_store().num_keys())
+    return counts

@@ -49,6 +49,12 @@ def test_torch_store_api(group: RankGroup) -> None:
         assert row == {"store": "PrefixStore", "ops": True}, row
 
 
+def test_store_keys_do_not_grow(group: RankGroup, ckpt: str) -> None:
+    """Each meeting deletes the one before the last: a sync every training step keeps the store flat."""
+    for counts in group.run(cases.case_store_stays_small, ckpt=ckpt):
+        assert counts[2] == counts[3] == counts[4] == counts[5], counts
+
+
 @pytest.mark.parametrize("entry", ENTRIES)
 @pytest.mark.parametrize("absent", ["last", "first"])
 def test_rank_that_never_calls_is_named(group: RankGroup, ckpt: str, tmp_path, entry: str, absent: str) -> None:

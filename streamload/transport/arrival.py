@@ -228,6 +228,7 @@ def _arrive(m: Meeting, mine: str) -> None:
                 absent = [r for r in range(m.world) if not store.check([m.key("in", r)])]
                 outcome = store.compare_set(outcome_key, "", "absent:" + json.dumps(absent)).decode()
     if outcome == "go":
+        _forget(m)
         return
     kind, _, detail = outcome.partition(":")
     where = f"in {m.step} (group of {m.world} ranks, global ranks {_short(m.ranks)})"
@@ -255,6 +256,17 @@ def _arrive(m: Meeting, mine: str) -> None:
         hint="every rank of the group must call it; look for an earlier error on those ranks "
         f"(their logs), or raise timeout= / {ENV} if they are only slow to get there",
     )
+
+
+def _forget(m: Meeting) -> None:
+    """Deletes the keys of this group's meeting before the last: every rank arrived at the last
+    one, so every rank has read that one's verdict (the store holds two meetings per group)."""
+    old = m.base.rsplit("/", 1)[0] + f"/{int(m.base.rsplit('/', 1)[1]) - 2}"
+    mine = [f"{old}/{w}/r{m.me}" for w in ("in", "left", "alive")]
+    shared = [f"{old}/{w}" for w in ("count", "outcome", "lost")] if m.me == 0 else []
+    for key in mine + shared:
+        with contextlib.suppress(Exception):
+            m.store.delete_key(key)
 
 
 def _verdict(m: Meeting) -> str:
