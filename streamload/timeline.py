@@ -14,8 +14,12 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+
+# Called with each phase a ``PhaseClock`` marks (``transport.arrival`` names the phase a call was
+# in when a peer was lost).
+MARK_HOOKS: list[Callable[[str], None]] = []
 
 
 class Timeline:
@@ -101,6 +105,8 @@ class PhaseClock:
         now = time.perf_counter()
         self.phases[name] = self.phases.get(name, 0.0) + now - self.last
         self.last = now
+        for hook in MARK_HOOKS:
+            hook(name)
 
     @contextmanager
     def part(self, name: str) -> Iterator[None]:

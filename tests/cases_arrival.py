@@ -230,3 +230,31 @@ def case_store_stays_small(rank: int, world: int, *, ckpt: str) -> list[int]:
         dist.barrier()
         counts.append(arrival.default_store().num_keys())
     return counts
+
+
+def case_interrupt_during_save(rank: int, world: int, *, out_dir: str, victim: int) -> dict:
+    """A Ctrl-C on ``victim`` while the save plans its writes: no rank commits; the victim
+    raises KeyboardInterrupt, the others a SaveError naming it."""
+    import streamload.save.driver as save_driver
+
+    mesh = _mesh(world)
+    real = save_driver.plan_save
+
+    def plan_save(*args: Any, **kwargs: Any) -> Any:
+        os.kill(os.getpid(), signal.SIGINT)
+        return real(*args, **kwargs)
+
+    if rank == victim:
+        save_driver.plan_save = plan_save
+    t0 = time.perf_counter()
+    exc: BaseException | None = None
+    try:
+        streamload.save_pretrained(_MODEL["model"], out_dir, device_mesh=mesh)
+    except BaseException as e:  # noqa: BLE001 - reported (KeyboardInterrupt included)
+        exc = e
+    finally:
+        save_driver.plan_save = real
+    dist.barrier()
+    row = _row(exc, t0, left=sorted(os.listdir(os.path.dirname(out_dir))))
+    row["handler_restored"] = signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    return row

@@ -52,7 +52,9 @@ def test_torch_store_api(group: RankGroup) -> None:
 def test_store_keys_do_not_grow(group: RankGroup, ckpt: str) -> None:
     """Each meeting deletes the one before the last: a sync every training step keeps the store flat."""
     for counts in group.run(cases.case_store_stays_small, ckpt=ckpt):
-        assert counts[2] == counts[3] == counts[4] == counts[5], counts
+        # Without the deletes each load adds world + 2 keys; a count read while a peer's deletes
+        # are in flight may be a few keys high, never growing.
+        assert counts[5] <= counts[2] and max(counts[2:]) < counts[2] + group.world + 3, counts
 
 
 @pytest.mark.parametrize("entry", ENTRIES)
@@ -114,6 +116,17 @@ def test_interrupt_inside_an_agreement(group: RankGroup, ckpt: str) -> None:
             assert f"rank {victim}" in row["message"] and "interrupted" in row["message"], row
 
 
+def test_interrupt_during_save_commits_nothing(group: RankGroup, tmp_path) -> None:
+    victim = group.world - 1
+    rows = group.run(cases.case_interrupt_during_save, timeout=90, out_dir=str(tmp_path / "out"), victim=victim)
+    for r, row in enumerate(rows):
+        assert row["left"] == [] and row["handler_restored"], row  # nothing committed, no temp dir
+        if r == victim:
+            assert row["raised"] == "KeyboardInterrupt", row
+        else:
+            assert row["raised"] == "SaveError" and f"rank {victim}" in row["message"], row
+
+
 def _run_partial(g: RankGroup, fn, survivors: list[int], timeout: float, **kwargs) -> dict[int, dict]:
     for q in g.commands:
         q.put((fn.__module__, fn.__name__, kwargs))
@@ -142,6 +155,7 @@ def test_rank_killed_mid_call_is_named(ckpt: str, tmp_path, world: int, entry: s
     finally:
         g.close(kill=True)
     lost = world - 1
+    assert sorted(p.name for p in tmp_path.iterdir()) == [], "a temporary directory was left"
     for row in out.values():
         want = "RankLostError" if entry == "load_checkpoint" else "SaveError"
         assert row["raised"] == want, row

@@ -212,10 +212,10 @@ def from_pretrained(
         >>> model = streamload.from_pretrained("/ckpt", dtype=torch.float32)
     """
     group = resolve_group(None, device_mesh)
-    agreed = {"src_rank": src_rank, "strict": strict, "bucket_bytes": bucket_bytes, "dtype": dtype}
-    agreed.update(
-        {k: load_kwargs[k] for k in ("slots", "readers", "quantized", "unexpected") if k in load_kwargs}
-    )
+    # Defaults filled in (a rank passing readers="auto" agrees with one that leaves it out).
+    given = {k: load_kwargs[k] for k in ("slots", "readers", "quantized", "unexpected") if k in load_kwargs}
+    agreed = LoadOptions(src_rank=src_rank, strict=strict, bucket_bytes=bucket_bytes, **given).agreed()
+    agreed["dtype"] = dtype
     clock = PhaseClock()  # the report's phases cover the whole call: meeting, config, build, shard
     with meeting("from_pretrained", group, load_kwargs.get("timeout"), agreed):
         clock.mark("meet")

@@ -13,6 +13,7 @@ from torch import nn
 
 from ..errors import DTypeMismatchError, KeyMismatchError, ShapeMismatchError
 from ..load.source import resolve_group
+from ..transport.arrival import wait_work
 from ..transport.protocol import gather_or_raise
 
 
@@ -138,4 +139,4 @@ def install_buffers(
             assert buffers is not None
             buf.copy_(buffers[name].to(buf.device))
         if group is not None:
-            dist.broadcast(buf, src=0, group=group)
+            wait_work(dist.broadcast(buf, src=0, group=group, async_op=True), buf.device)

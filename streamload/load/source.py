@@ -85,6 +85,11 @@ def mesh_group(device_mesh: Any) -> dist.ProcessGroup:
     ranks = tuple(sorted(int(r) for r in device_mesh.mesh.flatten().tolist()))
     backend = str(dist.get_backend(device_mesh.get_group(0)))
     key = (ranks, backend)
+    if key in _MESH_GROUPS:
+        try:
+            dist.get_world_size(_MESH_GROUPS[key])
+        except (KeyError, RuntimeError, ValueError):  # destroyed (destroy_process_group, a re-init)
+            del _MESH_GROUPS[key]
     if key not in _MESH_GROUPS:
         group = dist.new_group(list(ranks), backend=backend, use_local_synchronization=True)
         assert group is not None  # this rank is one of ``ranks``

@@ -47,7 +47,7 @@ import torch
 import torch.distributed as dist
 
 from ..errors import RemoteRankError, SaveError
-from ..transport.arrival import lost_peer
+from ..transport.arrival import lost_peer, take_interrupt
 from ..transport.collectives import all_gather_object, broadcast_object
 from ..transport.protocol import carries_cpu
 
@@ -203,6 +203,7 @@ class Output:
         self.global_rank = _global_rank(group)
         self.fds: dict[str, int] = {}
         self.finished = False
+        self.interrupted: KeyboardInterrupt | None = None  # a deferred Ctrl-C this rank agreed on
         self.swapped = False  # the new checkpoint is at out_dir (set by _commit on group rank 0)
 
     # -- agreement ------------------------------------------------------------------
@@ -213,6 +214,8 @@ class Output:
         The first failing rank (lowest group rank) is named; on the failing rank the error is
         chained to its own exception.
         """
+        if local is None and take_interrupt():  # a deferred Ctrl-C: this rank's failure
+            local = self.interrupted = KeyboardInterrupt()
         mine = None
         if local is not None:
             # A RemoteRankError only says this rank stopped for another's failure: name that one.
@@ -421,6 +424,14 @@ class Output:
             shutil.rmtree(self.tmp_dir, ignore_errors=True)
             raise local
         try:
+            self._finish(local)
+        except BaseException as exc:
+            if lost_peer(exc) and not self.swapped:  # lost inside one of the agreements below
+                shutil.rmtree(self.tmp_dir, ignore_errors=True)
+            raise
+
+    def _finish(self, local: BaseException | None) -> None:
+        try:
             try:
                 self.agree(local)
             except SaveError:
@@ -446,6 +457,8 @@ class Output:
         except SaveError:
             if isinstance(local, BaseException) and not isinstance(local, Exception):
                 raise local from None
+            if self.interrupted is not None:  # this rank's Ctrl-C, carried by the agreement
+                raise self.interrupted from None
             raise
 
     def _discard(self) -> None:

@@ -200,7 +200,7 @@ def save_pretrained(
         "dtype": dtype,
         "max_shard_size": max_shard_size,
         "writers": writers,
-        "bucket_bytes": bucket_bytes,
+        "bucket_bytes": int(bucket_bytes) if bucket_bytes else DEFAULT_BUCKET_BYTES,  # None == the default
     }
     try:
         with meeting("save_pretrained", group, timeout, agreed):

@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 
 from ..errors import RemoteRankError
+from ..transport.arrival import wait_work
 from ..transport.collectives import all_gather_object
 from .layout import Layout
 from .plan import SavePlan
@@ -111,7 +112,10 @@ class _Exchange:
         out_splits = sizes if self.rank == 0 else [0] * self.world
         in_splits = [0] * self.world
         in_splits[0] = send.numel()
-        dist.all_to_all_single(recv, send, out_splits, in_splits, group=self.group)
+        wait_work(
+            dist.all_to_all_single(recv, send, out_splits, in_splits, group=self.group, async_op=True),
+            self.device,
+        )
         if self.rank == 0:
             self.stats.peak_buffer_bytes = max(self.stats.peak_buffer_bytes, total)
             return recv.cpu()

@@ -42,6 +42,7 @@ import torch.distributed as dist
 
 from ..errors import OptionMismatchError, RankAbsentError, RankLostError, StreamloadError
 from ..options import ENV_OVERRIDES
+from ..timeline import MARK_HOOKS
 
 DEFAULT_TIMEOUT = 300.0
 ENV = ENV_OVERRIDES["timeout"]
@@ -72,7 +73,7 @@ def resolve_timeout(timeout: float | None) -> float:
     name = "timeout="
     if raw is None:
         raw = os.environ.get(ENV, "").strip() or DEFAULT_TIMEOUT
-        name = ENV
+        name = f"{ENV}="
     try:
         value = float(raw)
     except (TypeError, ValueError):
@@ -103,7 +104,7 @@ class Meeting:
     base: str
     timeout: float
     store: Any
-    phase: str = "start"
+    phase: str = "start"  # the last phase the call's clock marked (``note_phase``)
     pending_interrupt: bool = field(default=False)
 
     @property
@@ -124,10 +125,13 @@ def current() -> Meeting | None:
 
 
 def note_phase(phase: str) -> None:
-    """Records where the current call is, for the errors that name it."""
+    """Records where the current call is, for the errors that name it (every ``PhaseClock.mark``)."""
     m = current()
     if m is not None:
         m.phase = phase
+
+
+MARK_HOOKS.append(note_phase)
 
 
 def take_interrupt() -> bool:
@@ -195,6 +199,8 @@ def meeting(
                 m.store.set(m.key("lost"), f"rank {m.me} left {m.step} ({type(exc).__name__})")
             if lost_peer(exc):
                 raise _roll_call(m, exc) from exc
+            if m.pending_interrupt and not isinstance(exc, KeyboardInterrupt):
+                raise KeyboardInterrupt from exc  # the user's Ctrl-C is not lost to the other error
             raise
         finally:
             _local.meeting = None
@@ -218,7 +224,9 @@ def _arrive(m: Meeting, mine: str) -> None:
         except KeyboardInterrupt:
             store.compare_set(outcome_key, "", f"left:{m.me}")
             raise
-        except RuntimeError:  # the slice's wait timed out (or the store hiccuped): look again
+        except RuntimeError as exc:  # the slice's wait timed out: look again
+            if "timeout" not in str(exc).lower() and "timed out" not in str(exc).lower():
+                raise _store_gone(m, exc) from exc
             if m.pending_interrupt:  # Ctrl-C while waiting: leave, unless the peers already went on
                 outcome = store.compare_set(outcome_key, "", f"left:{m.me}").decode()
                 if outcome != "go":
@@ -226,7 +234,8 @@ def _arrive(m: Meeting, mine: str) -> None:
                     raise KeyboardInterrupt from None
             elif time.monotonic() >= deadline:
                 absent = [r for r in range(m.world) if not store.check([m.key("in", r)])]
-                outcome = store.compare_set(outcome_key, "", "absent:" + json.dumps(absent)).decode()
+                if absent:  # else the last rank is arriving right now: its verdict comes next
+                    outcome = store.compare_set(outcome_key, "", "absent:" + json.dumps(absent)).decode()
     if outcome == "go":
         _forget(m)
         return
@@ -255,6 +264,16 @@ def _arrive(m: Meeting, mine: str) -> None:
         step=m.step,
         hint="every rank of the group must call it; look for an earlier error on those ranks "
         f"(their logs), or raise timeout= / {ENV} if they are only slow to get there",
+    )
+
+
+def _store_gone(m: Meeting, exc: BaseException) -> RankLostError:
+    return RankLostError(
+        f"the rendezvous store is unreachable in {m.step} ({exc}): the process that hosts it "
+        "(global rank 0 under init_method tcp:// or env://, else the launcher) is gone",
+        rank=m.me,
+        step=m.step,
+        hint="the job cannot continue: restart it",
     )
 
 
@@ -294,29 +313,30 @@ def _short(ranks: Any) -> str:
     return str(ranks) if len(ranks) <= 16 else f"[{ranks[0]}..{ranks[-1]}] ({len(ranks)} ranks)"
 
 
-def wait_work(work: Any) -> None:
-    """``work.wait()``, except that inside a call it also watches the store for a peer's note
-    that a rank is gone, and then raises instead of waiting on a peer that already left.
+def wait_work(work: Any, device: Any = None) -> None:
+    """``work.wait()``, except that inside a call, for a collective on CPU tensors (gloo), it
+    waits in one-second slices and between them asks the store whether a peer left: a rank
+    whose collective stalls on a live peer that already left (it saw the loss, or raised, in
+    an earlier step) would otherwise wait for the group's own timeout. A collective that
+    completes within the first slice costs nothing more than ``wait()``.
 
-    A rank whose collective stalls on a live peer that left (it saw the loss in an earlier
-    collective) would otherwise wait for the group's own timeout. Polls ``is_completed`` with
-    a short sleep (a status flag is usually complete when read: nothing is lost there) and
-    asks the store once a second.
+    On a device (NCCL) ``wait()`` only orders the stream; it is left as it is.
     """
     m = current()
-    if m is None or work is None:
-        if work is not None:
-            work.wait()
+    if work is None:
         return
-    nap, asked = 0.0002, time.monotonic()
-    while not work.is_completed():
-        time.sleep(nap)
-        nap = min(nap * 2, 0.02)
-        if time.monotonic() - asked >= 1.0:
-            asked = time.monotonic()
-            if m.store.check([m.key("lost")]):
-                raise RuntimeError(f"streamload: a peer said: {m.store.get(m.key('lost')).decode()}")
-    work.wait()
+    if m is None or (device is not None and getattr(device, "type", "cpu") != "cpu"):
+        work.wait()
+        return
+    while True:
+        try:
+            work.wait(timedelta(seconds=1))
+            return
+        except RuntimeError as exc:
+            if "timed out" not in str(exc).lower():
+                raise
+        if m.store.check([m.key("lost")]):
+            raise RuntimeError(f"streamload: a peer said: {m.store.get(m.key('lost')).decode()}")
 
 
 def raise_if_lost(exc: BaseException) -> None:
@@ -343,7 +363,7 @@ def _roll_call(m: Meeting, exc: BaseException) -> RankLostError:
     """After a transport error: which ranks are still here? Each survivor answers in the store
     and waits up to ``ROLL_CALL_SECONDS`` for the others."""
     store = m.store
-    unheard = set(range(m.world))
+    unheard = set(range(m.world)) - {m.me}
     try:
         store.set(m.key("alive", m.me), "1")
         deadline = time.monotonic() + min(ROLL_CALL_SECONDS, m.timeout)
@@ -358,11 +378,11 @@ def _roll_call(m: Meeting, exc: BaseException) -> RankLostError:
             if store.check([m.key("left", r)])
         ]
     except Exception as store_error:  # noqa: BLE001 - the store's host may be the lost rank
-        notes = [f"the rendezvous store is unreachable too ({store_error}): its host is gone"]
+        return _store_gone(m, store_error)
     lost = sorted(unheard)
     said = ("; they left with: " + "; ".join(notes)) if notes else " (killed, or its host is gone)"
     return RankLostError(
-        f"lost ranks {lost} of {m.step}'s group during {m.phase}{said}; transport said: {exc}",
+        f"lost ranks {lost} of {m.step}'s group after its '{m.phase}' phase{said}; transport said: {exc}",
         rank=m.me,
         ranks=lost,
         step=m.step,

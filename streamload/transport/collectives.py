@@ -71,11 +71,14 @@ class Transport:
         else:
             in_splits = [0] * self.world
             inp = torch.empty(0, dtype=torch.uint8, device=self.device)
-        return dist.all_to_all_single(recv, inp, out_splits, in_splits, group=self.group, async_op=True)
+        work = dist.all_to_all_single(recv, inp, out_splits, in_splits, group=self.group, async_op=True)
+        return (work, self.device)
 
     @staticmethod
     def wait(handle: Any) -> None:
-        wait_work(handle)
+        """Waits for what ``start`` returned (see ``arrival.wait_work``)."""
+        if handle is not None:
+            wait_work(*handle)
 
 
 def broadcast_object(obj: Any, src: int, group: dist.ProcessGroup | None, device: torch.device) -> Any:
@@ -86,9 +89,9 @@ def broadcast_object(obj: Any, src: int, group: dist.ProcessGroup | None, device
     mine = dist.get_rank() == src
     data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8) if mine else None
     size = torch.tensor([data.numel() if data is not None else 0], dtype=torch.int64, device=device)
-    wait_work(dist.broadcast(size, src=src, group=group, async_op=True))
+    wait_work(dist.broadcast(size, src=src, group=group, async_op=True), device)
     buf = data.to(device) if data is not None else torch.empty(int(size.item()), dtype=torch.uint8, device=device)
-    wait_work(dist.broadcast(buf, src=src, group=group, async_op=True))
+    wait_work(dist.broadcast(buf, src=src, group=group, async_op=True), device)
     return obj if mine else pickle.loads(buf.cpu().numpy().tobytes())
 
 
@@ -102,12 +105,12 @@ def all_gather_object(obj: Any, group: dist.ProcessGroup | None, device: torch.d
     data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8).to(device)
     size = torch.tensor([data.numel()], device=device)
     sizes = [torch.zeros_like(size) for _ in out]
-    wait_work(dist.all_gather(sizes, size, group=group, async_op=True))
+    wait_work(dist.all_gather(sizes, size, group=group, async_op=True), device)
     longest = int(max(s.item() for s in sizes))
     padded = torch.zeros(longest, dtype=torch.uint8, device=device)
     padded[: data.numel()] = data
     gathered = [torch.empty_like(padded) for _ in out]
-    wait_work(dist.all_gather(gathered, padded, group=group, async_op=True))
+    wait_work(dist.all_gather(gathered, padded, group=group, async_op=True), device)
     return [
         pickle.loads(g[: int(s.item())].cpu().numpy().tobytes()) for g, s in zip(gathered, sizes, strict=True)
     ]

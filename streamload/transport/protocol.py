@@ -94,7 +94,7 @@ class StatusCheck:
     @staticmethod
     def result(handle: tuple[Any, torch.Tensor]) -> bool:
         work, flag = handle
-        wait_work(work)
+        wait_work(work, flag.device)
         return bool(flag.item())
 
     def any_failed(self, local_failed: bool) -> bool:
