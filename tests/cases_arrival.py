@@ -258,3 +258,29 @@ def case_interrupt_during_save(rank: int, world: int, *, out_dir: str, victim: i
     row = _row(exc, t0, left=sorted(os.listdir(os.path.dirname(out_dir))))
     row["handler_restored"] = signal.getsignal(signal.SIGINT) is signal.default_int_handler
     return row
+
+
+def case_interrupt_during_commit(rank: int, world: int, *, out_dir: str) -> dict:
+    """A Ctrl-C on group rank 0 while it commits (before its rename): the save is made on every
+    rank; rank 0 raises KeyboardInterrupt once the call is done, the others return normally."""
+    from streamload.save import commit
+
+    mesh = _mesh(world)
+    real = commit.Output._commit
+
+    def _commit(self: Any) -> None:
+        os.kill(os.getpid(), signal.SIGINT)
+        real(self)
+
+    if rank == 0:
+        commit.Output._commit = _commit  # type: ignore[method-assign]
+    t0 = time.perf_counter()
+    exc: BaseException | None = None
+    try:
+        streamload.save_pretrained(_MODEL["model"], out_dir, device_mesh=mesh)
+    except BaseException as e:  # noqa: BLE001 - reported (KeyboardInterrupt included)
+        exc = e
+    finally:
+        commit.Output._commit = real  # type: ignore[method-assign]
+    dist.barrier()
+    return _row(exc, t0, saved=os.path.exists(os.path.join(out_dir, "config.json")))

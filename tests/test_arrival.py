@@ -127,6 +127,12 @@ def test_interrupt_during_save_commits_nothing(group: RankGroup, tmp_path) -> No
             assert row["raised"] == "SaveError" and f"rank {victim}" in row["message"], row
 
 
+def test_interrupt_during_commit_is_a_made_save(group: RankGroup, tmp_path) -> None:
+    rows = group.run(cases.case_interrupt_during_commit, timeout=90, out_dir=str(tmp_path / "out"))
+    assert rows[0]["raised"] == "KeyboardInterrupt" and rows[0]["saved"], rows[0]
+    assert all(row["raised"] is None and row["saved"] for row in rows[1:]), rows
+
+
 def _run_partial(g: RankGroup, fn, survivors: list[int], timeout: float, **kwargs) -> dict[int, dict]:
     for q in g.commands:
         q.put((fn.__module__, fn.__name__, kwargs))

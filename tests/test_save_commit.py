@@ -92,6 +92,8 @@ def test_replace_keeps_unrelated_files(
     (target / "model-00002-of-00002.safetensors").write_bytes(b"old shard 2")
     (target / "model.safetensors.index.json").write_text('{"weight_map": {}}')
     (target / "link").symlink_to("tokenizer.json")
+    for other in ("adapter_model.safetensors", "model_ema.safetensors", "consolidated.safetensors"):
+        (target / other).write_bytes(other.encode())  # not the old checkpoint's weights: kept
     inode = (target / "tokenizer.json").stat().st_ino
     if not exchange:
         monkeypatch.setattr(commit, "rename_exchange", lambda src, dst: False)
@@ -106,6 +108,9 @@ def test_replace_keeps_unrelated_files(
         "sub/notes.txt": b"keep me",
         "sub/deeper/x.safetensors": b"another checkpoint's weights",  # only top-level weights go
         "link": b'{"tok": 1}',
+        "adapter_model.safetensors": b"adapter_model.safetensors",
+        "model_ema.safetensors": b"model_ema.safetensors",
+        "consolidated.safetensors": b"consolidated.safetensors",
     }
     assert (target / "link").is_symlink() and os.readlink(target / "link") == "tokenizer.json"
     assert (target / "tokenizer.json").stat().st_ino == inode  # linked, not copied
@@ -215,6 +220,49 @@ def test_commit_failure_cleans_up(tmp_path: Path, monkeypatch: pytest.MonkeyPatc
     assert _leftovers(tmp_path) == []
 
 
+@pytest.mark.parametrize("exchange", [True, False])
+def test_private_target_stays_private(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, exchange: bool) -> None:
+    """The replaced directory keeps its mode (a 0700 target is not made 0755) and the temporary
+    directory is private while the save runs; a new target gets mkdir's default mode."""
+    if not exchange:
+        monkeypatch.setattr(commit, "rename_exchange", lambda src, dst: False)
+    target = tmp_path / "ckpt"
+    _old_checkpoint(target)
+    os.chmod(target, 0o700)
+    with open_output(target) as out:
+        out.write_file("config.json", b"{}")
+        assert stat.S_IMODE(out.tmp_dir.stat().st_mode) == 0o700
+    assert stat.S_IMODE(target.stat().st_mode) == 0o700
+    os.chmod(target, 0o750)
+    with open_output(target) as out:
+        out.write_file("config.json", b"{}")
+    assert stat.S_IMODE(target.stat().st_mode) == 0o750
+    fresh = tmp_path / "fresh"
+    with open_output(fresh) as out:
+        out.write_file("config.json", b"{}")
+    (tmp_path / "probe").mkdir()
+    assert stat.S_IMODE(fresh.stat().st_mode) == stat.S_IMODE((tmp_path / "probe").stat().st_mode)
+
+
+def test_symlinked_target_is_saved_through(tmp_path: Path) -> None:
+    """A target that is a symlink to a directory: the directory it names is replaced, the link
+    stays a link (as transformers writes through it). ``..`` after a symlink goes up from the
+    link's destination, as the kernel resolves it."""
+    real = tmp_path / "a" / "b" / "real"
+    _old_checkpoint(real)
+    (real / "tokenizer.json").write_text("tok")
+    link = tmp_path / "link"
+    link.symlink_to(real)
+    with open_output(link) as out:
+        out.write_file("config.json", b'{"new": 1}')
+    assert link.is_symlink() and os.readlink(link) == str(real)
+    assert _snapshot(real) == {"config.json": b'{"new": 1}', "tokenizer.json": b"tok"}
+    with open_output(link / ".." / "beside") as out:  # the kernel: a/b/beside, not tmp_path/beside
+        out.write_file("config.json", b"{}")
+    assert (tmp_path / "a" / "b" / "beside" / "config.json").exists() and not (tmp_path / "beside").exists()
+    assert _leftovers(tmp_path) == [] and _leftovers(real.parent) == []
+
+
 def test_target_is_a_file(tmp_path: Path) -> None:
     target = tmp_path / "ckpt"
     target.write_text("not a directory")
@@ -300,6 +348,29 @@ def tiny_fs(tmp_path_factory: pytest.TempPathFactory) -> Path:
         )
     yield where
     subprocess.run(["umount", str(where)], check=False)
+
+
+def test_mounts_are_refused_before_anything_is_written(tmp_path: Path) -> None:
+    """A target that holds a mount (``ckpt/data`` a volume) or is one: the directory swap would
+    empty the mounted file system (its files copied, the old directory removed) or fail with
+    EBUSY after the whole write. Refused up front; the mount's files are untouched."""
+    target = tmp_path / "ckpt"
+    before = _old_checkpoint(target)
+    data = target / "data"
+    data.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(data)], capture_output=True).returncode:
+        pytest.skip("cannot mount a tmpfs here")
+    try:
+        (data / "keep.bin").write_bytes(b"on the volume")
+        with pytest.raises(SaveError, match="mount point"):
+            open_output(target)
+        assert (data / "keep.bin").read_bytes() == b"on the volume" and _leftovers(tmp_path) == []
+        with pytest.raises(SaveError, match="mount point"):
+            open_output(data)  # the target is the mount itself
+        assert (data / "keep.bin").read_bytes() == b"on the volume" and _leftovers(target) == []
+    finally:
+        subprocess.run(["umount", str(data)], check=False)
+    assert (target / "model.safetensors").read_bytes() == before["model.safetensors"]
 
 
 def test_disk_full_real(tiny_fs: Path) -> None:

@@ -32,13 +32,16 @@ old copy's removal) is logged as a warning, never an error.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import ctypes.util
 import errno
 import logging
 import os
+import re
 import secrets
 import shutil
+import stat
 from pathlib import Path
 from types import TracebackType
 from typing import Any
@@ -158,8 +161,16 @@ def _remove(path: Path) -> None:
         log.warning("streamload: could not remove %s: %s", path, exc)
 
 
-# The old checkpoint's weight files: replaced by the new save's, never carried over.
-_WEIGHTS = (".safetensors", ".safetensors.index.json")
+# The old checkpoint's weight files, in transformers' names for its weights: replaced by the new
+# save's, never carried over. Any other file is kept, other ``*.safetensors`` included
+# (``adapter_model.safetensors``, ``model_ema.safetensors``, ``consolidated.safetensors``), as
+# transformers' own save_pretrained keeps them.
+_OLD_WEIGHTS = re.compile(r"model(-\d{5}-of-\d{5})?\.safetensors|model\.safetensors\.index\.json")
+
+
+def old_weight_file(name: str) -> bool:
+    """Whether ``name`` is a weight file of the checkpoint a save replaces (not carried over)."""
+    return _OLD_WEIGHTS.fullmatch(name) is not None
 
 
 def _link_or_copy(src: str, dst: str) -> str:
@@ -179,6 +190,61 @@ def _carry_entry(src: Path, dst: Path) -> None:
         shutil.copytree(src, dst, symlinks=True, copy_function=_link_or_copy)
     else:
         _link_or_copy(str(src), str(dst))
+
+
+def refuse_unswappable(target: Path) -> None:
+    """Raises before anything is written when the commit's directory swap would destroy or fail:
+    the target is a mount point (the rename fails with EBUSY), or holds one (its files would be
+    copied, then the mounted file system emptied with the old directory)."""
+    if not target.is_dir():
+        return
+    mounts = [target] if os.path.ismount(target) else []
+    with os.scandir(target) as entries:
+        mounts += [Path(e.path) for e in entries if e.is_dir(follow_symlinks=False) and os.path.ismount(e.path)]
+    if mounts:
+        raise SaveError(
+            f"the save target is or holds a mount point ({', '.join(map(str, mounts[:3]))}): a save replaces "
+            "its target directory as a whole, which would empty or fail on a mounted file system",
+            file=str(target),
+            hint="save into a directory of its own (a subdirectory of the mount, or beside it)",
+        )
+
+
+def _umask() -> int:
+    """This process's umask, read without changing it (Linux), else by setting it back at once."""
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except OSError:
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def copy_dir_attrs(old: Path | None, new: Path) -> None:
+    """Gives ``new`` (the save's private temporary directory) what the directory it replaces had:
+    its mode, owner and group where this process may set them, and its ACLs and other extended
+    attributes; a new target gets ``mkdir``'s default mode (0o777 less the umask)."""
+    if old is None:
+        os.chmod(new, 0o777 & ~_umask())
+        return
+    st = os.stat(old)
+    with contextlib.suppress(PermissionError):
+        os.chown(new, st.st_uid, st.st_gid)
+    for name in _xattrs(old):
+        with contextlib.suppress(OSError):
+            os.setxattr(new, name, os.getxattr(old, name))
+    os.chmod(new, stat.S_IMODE(st.st_mode))  # after the ACLs: chmod sets the ACL's mask entry too
+
+
+def _xattrs(path: Path) -> list[str]:
+    try:
+        return os.listxattr(path)
+    except OSError:  # no extended attributes on this file system
+        return []
 
 
 class Output:
@@ -208,13 +274,15 @@ class Output:
 
     # -- agreement ------------------------------------------------------------------
 
-    def agree(self, local: BaseException | None) -> None:
+    def agree(self, local: BaseException | None, interruptible: bool = True) -> None:
         """Collective: raises the same ``SaveError`` on every rank when any rank passes an error.
 
         The first failing rank (lowest group rank) is named; on the failing rank the error is
-        chained to its own exception.
+        chained to its own exception. A Ctrl-C deferred on this rank (``transport.arrival``) is
+        its failure here, unless ``interruptible`` is False (after the commit's rename: the
+        save is made, and the interrupt is raised on its rank when the call returns).
         """
-        if local is None and take_interrupt():  # a deferred Ctrl-C: this rank's failure
+        if local is None and interruptible and take_interrupt():  # a deferred Ctrl-C
             local = self.interrupted = KeyboardInterrupt()
         mine = None
         if local is not None:
@@ -344,7 +412,8 @@ class Output:
 
     def _carry(self) -> None:
         """Carries into the temporary directory every entry of the existing target that the new
-        save does not write and that is not an old weight file, so the swap keeps them."""
+        save does not write and that is not an old weight file (``old_weight_file``), so the
+        swap keeps them."""
         target = self.out_dir
         if not target.is_dir() or target.is_symlink():
             return
@@ -352,7 +421,7 @@ class Output:
             names = sorted(e.name for e in entries)
         for name in names:
             dst = self.tmp_dir / name
-            if name.endswith(_WEIGHTS) or os.path.lexists(dst):
+            if old_weight_file(name) or os.path.lexists(dst):
                 continue
             _carry_entry(target / name, dst)
 
@@ -368,6 +437,7 @@ class Output:
                 errno.ENOTDIR, "the save target exists and is not a directory", str(target)
             )
         self._carry()
+        copy_dir_attrs(target if target.is_dir() else None, self.tmp_dir)
         _fsync_tree(self.tmp_dir)
         old: Path | None = None
         if not target.exists() and not target.is_symlink():
@@ -451,7 +521,7 @@ class Output:
                     else:
                         committed = exc
                         _remove(self.tmp_dir)
-            self.agree(committed)
+            self.agree(committed, interruptible=False)  # the rename may have happened: never "not saved" for a Ctrl-C
             if late is not None and not isinstance(late, Exception):
                 raise late  # an interrupt stays an interrupt, after the other ranks heard "saved"
         except SaveError:
@@ -506,7 +576,9 @@ def open_output(
     if group is None and dist.is_available() and dist.is_initialized():
         group = dist.group.WORLD
     wire = device if device is not None else _wire_device(group)
-    target = Path(os.path.abspath(os.fspath(out_dir)))
+    # As the kernel resolves it: a symlink to a directory is saved through (its destination is
+    # replaced, the link kept), and ``..`` after a symlink goes up from the link's destination.
+    target = Path(os.path.realpath(os.fspath(out_dir)))
     token = secrets.token_hex(8) if _group_rank(group) == 0 else None
     if group is not None and dist.get_world_size(group) > 1:
         token = broadcast_object(token, dist.get_global_rank(group, 0), group, wire)
@@ -519,8 +591,9 @@ def open_output(
                 raise NotADirectoryError(
                     errno.ENOTDIR, "the save target exists and is not a directory", str(target)
                 )
+            refuse_unswappable(target)
             target.parent.mkdir(parents=True, exist_ok=True)
-            tmp.mkdir()
+            tmp.mkdir(mode=0o700)  # private while the save runs; the target's mode at the commit
         except BaseException as exc:  # noqa: BLE001 - agreed below
             local = exc
     try:
