@@ -268,3 +268,22 @@ def test_empty_object_and_failures_on_odd_keys(s3: LocalS3, tmp_path: Path) -> N
         with pytest.raises(CheckpointFileError, match="failed after 1 attempt") as info:
             RemoteCheckpoint(as_remote(url, options))
         assert "header" not in str(info.value), info.value
+
+
+def test_repr_masks_secrets() -> None:
+    """A traceback tool that prints locals must not log credentials."""
+    from streamload.io.remote import RemotePath
+
+    opts = (("access_key_id", "AKIA"), ("secret_access_key", "s3cr3t"), ("session_token", "tok"), ("region", "r"))
+    shown = repr(RemotePath("s3://b/p", opts))
+    assert "s3cr3t" not in shown and "tok'" not in shown and "AKIA" in shown and "'r'" in shown
+
+
+def test_access_denied_is_told_by_the_status_not_the_key() -> None:
+    """A 503 on a key that contains 403 is a store failure; a 403 response is access denied."""
+    from streamload.io.remote import _named
+
+    busy = _named(RuntimeError("request to s3://b/ckpt-403/x failed, status code: 503 Unavailable"), "u", "GET", 8)
+    assert "access denied" not in str(busy) and "after 8 attempt" in str(busy)
+    denied = _named(RuntimeError("Generic S3 error: status code: 403 Forbidden"), "u", "GET", 1)
+    assert "access denied" in str(denied) and "credentials" in str(denied)

@@ -108,7 +108,10 @@ def is_remote(path: object) -> bool:
     return bool(sep) and scheme.lower() in SCHEMES
 
 
-@dataclass(frozen=True)
+_SECRET = re.compile(r"secret|token|password|passwd|credential|account_key|sas|private", re.IGNORECASE)
+
+
+@dataclass(frozen=True, repr=False)
 class RemotePath:
     """An object store location and how to reach it (what the loader passes around for a URL).
 
@@ -123,6 +126,12 @@ class RemotePath:
 
     def __str__(self) -> str:
         return self.url
+
+    def __repr__(self) -> str:
+        """The options with their secrets masked: a traceback tool that prints locals must not log
+        ``secret_access_key``, session tokens or account keys."""
+        shown = tuple((k, "***" if _SECRET.search(k) else v) for k, v in self.options)
+        return f"RemotePath(url={self.url!r}, options={shown!r})"
 
     @property
     def scheme(self) -> str:
@@ -288,9 +297,9 @@ def _named(exc: BaseException, url: str, what: str, attempts: int) -> RemoteErro
         )
     if isinstance(exc, (FileNotFoundError, oe.NotFoundError)):
         return RemoteError(f"no such object ({what})", url)
-    if isinstance(exc, (oe.PermissionDeniedError, oe.UnauthenticatedError)) or re.search(
-        r"\b40[13]\b", first
-    ):
+    # The status the response carried, never a number anywhere in the message (a 503 on the key
+    # checkpoint-403/ is a store failure, not a refusal).
+    if isinstance(exc, (oe.PermissionDeniedError, oe.UnauthenticatedError)) or _status(exc) in (401, 403):
         return RemoteError(
             f"access denied ({what}): {first}",
             url,
