@@ -108,6 +108,30 @@ def case_same_tmp(rank: int, world: int, target: str) -> dict[str, Any]:
     return {"tmp": tmp, "shared": shared, "probe_left": probe_left}
 
 
+def case_shared_across_hosts(rank: int, world: int, target: str) -> dict[str, Any]:
+    """Ranks 1.. stand for other hosts on a shared file system (NFS, Lustre): their device
+    numbers for the same file differ from rank 0's. The token read back proves the sharing."""
+    import os as real_os
+    from types import SimpleNamespace
+
+    real_fstat, real_host = commit.os.fstat, commit.socket.gethostname
+    if rank > 0:
+        commit.socket.gethostname = lambda: f"node{rank}"  # type: ignore[assignment]
+
+        def fstat(fd: int) -> Any:
+            st = real_fstat(fd)
+            return SimpleNamespace(st_dev=st.st_dev + 1000 + rank, st_ino=st.st_ino)
+
+        commit.os.fstat = fstat  # type: ignore[assignment]
+    try:
+        with commit.open_output(target, dist.group.WORLD) as out:
+            shared = out.shared()
+    finally:
+        commit.os.fstat, commit.socket.gethostname = real_fstat, real_host  # type: ignore[assignment]
+    del real_os
+    return {"shared": shared}
+
+
 def case_not_shared(rank: int, world: int, root: str) -> dict[str, Any]:
     """Ranks that each see a different directory under the same name (simulated: rank r
     saves to ``root/r/ckpt`` under a path only it knows) are told the directory is not shared."""

@@ -263,6 +263,48 @@ def test_symlinked_target_is_saved_through(tmp_path: Path) -> None:
     assert _leftovers(tmp_path) == [] and _leftovers(real.parent) == []
 
 
+def test_stale_temporary_directories_of_dead_saves_are_removed(tmp_path: Path) -> None:
+    """A save killed mid-way left its temporary directory; the next save to the same target
+    removes it when the process that made it is gone, and leaves those of live processes, of
+    other hosts and of other targets."""
+    host = __import__("socket").gethostname()
+    target = tmp_path / "ckpt"
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    pid = int(dead.stdout)
+    me = f"{os.getpid()}-{commit._start_time(os.getpid())}@{host}"
+    names = {
+        "dead": f".ckpt{commit.TMP_TAG}{'a' * 16}-{pid}-1@{host}",
+        "reused_pid": f".ckpt{commit.TMP_TAG}{'b' * 16}-{os.getpid()}-1@{host}",
+        "live": f".ckpt{commit.TMP_TAG}{'c' * 16}-{me}",
+        "other_host": f".ckpt{commit.TMP_TAG}{'d' * 16}-{pid}-1@elsewhere.example",
+        "other_target": f".other{commit.TMP_TAG}{'e' * 16}-{pid}-1@{host}",
+        "not_ours": f".ckpt{commit.TMP_TAG}hand-made",
+    }
+    for name in names.values():
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "model.safetensors").write_bytes(b"partial")
+    with open_output(target) as out:
+        out.write_file("config.json", b"{}")
+    left = {k for k, n in names.items() if (tmp_path / n).exists()}
+    assert left == {"live", "other_host", "other_target", "not_ours"}, left
+
+
+@pytest.mark.parametrize("where", [".", "sub"])
+def test_saving_into_the_working_directory(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, where: str) -> None:
+    """``save_pretrained(model, ".")`` (or a target holding the working directory): the swap
+    replaces that directory; the process is back in the same path, in the new one, after it."""
+    target = tmp_path / "ckpt"
+    _old_checkpoint(target)
+    (target / "sub").mkdir()
+    (target / "sub" / "notes.txt").write_text("kept")
+    monkeypatch.chdir(target / where)
+    with open_output(Path(".") if where == "." else Path("..")) as out:
+        out.write_file("config.json", b'{"new": 1}')
+    assert os.getcwd() == str(target / where)
+    assert Path("notes.txt" if where == "sub" else "config.json").exists()  # a relative open works
+    assert (target / "config.json").read_bytes() == b'{"new": 1}'
+
+
 def test_target_is_a_file(tmp_path: Path) -> None:
     target = tmp_path / "ckpt"
     target.write_text("not a directory")
@@ -420,6 +462,11 @@ def test_ranks_same_tmp_and_shared(group3, tmp_path: Path) -> None:
     got = group3.run(cases.case_same_tmp, timeout=60, target=str(_target(tmp_path)))
     assert len({g["tmp"] for g in got}) == 1 and all(g["shared"] for g in got), got
     assert not any(g["probe_left"] for g in got)
+
+
+def test_ranks_on_other_hosts_share_by_token(group3, tmp_path: Path) -> None:
+    got = group3.run(cases.case_shared_across_hosts, timeout=60, target=str(_target(tmp_path)))
+    assert all(g["shared"] for g in got), got
 
 
 def test_ranks_not_shared(group3, tmp_path: Path) -> None:

@@ -41,6 +41,7 @@ import os
 import re
 import secrets
 import shutil
+import socket
 import stat
 from pathlib import Path
 from types import TracebackType
@@ -192,6 +193,73 @@ def _carry_entry(src: Path, dst: Path) -> None:
         _link_or_copy(str(src), str(dst))
 
 
+def _cwd_inside(target: Path) -> str | None:
+    """This process's working directory when it is ``target`` or lies under it, else None."""
+    try:
+        cwd = os.getcwd()
+    except OSError:
+        return None
+    inside = cwd == str(target) or cwd.startswith(str(target).rstrip(os.sep) + os.sep)
+    return cwd if inside else None
+
+
+def _owner() -> str:
+    """``<pid>-<start>@<host>``: who made a temporary directory (``remove_stale`` reads it)."""
+    return f"{os.getpid()}-{_start_time(os.getpid())}@{socket.gethostname()}"
+
+
+def _start_time(pid: int) -> int:
+    """The process's start time in clock ticks since boot (Linux), 0 where unknown."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[19])
+    except (OSError, IndexError, ValueError):
+        return 0
+
+
+_STALE = re.compile(r"[0-9a-f]{16}-(?P<pid>\d+)-(?P<start>\d+)@(?P<host>.+)")
+
+
+def remove_stale(target: Path) -> list[Path]:
+    """Removes the temporary directories earlier saves to ``target`` left when their process
+    died (killed, out of memory, the node lost): only ours by name, only made on this host, and
+    only when the process that made it is gone (its pid no longer runs, or runs a newer process).
+    Directories from other hosts or live processes are left. Returns what was removed."""
+    prefix = f".{target.name}{TMP_TAG}"
+    removed = []
+    host = socket.gethostname()
+    try:
+        names = [n for n in os.listdir(target.parent) if n.startswith(prefix)]
+    except OSError:
+        return []
+    for name in names:
+        m = _STALE.fullmatch(name[len(prefix) :])
+        path = target.parent / name
+        if m is None or m["host"] != host or not path.is_dir() or path.is_symlink():
+            continue
+        pid, start = int(m["pid"]), int(m["start"])
+        if os.path.exists(f"/proc/{pid}") and _start_time(pid) in (start, 0):
+            continue  # its process still runs
+        shutil.rmtree(path, ignore_errors=True)
+        log.info("streamload: removed %s, left by a save whose process (pid %d) is gone", path, pid)
+        removed.append(path)
+    return removed
+
+
+def _make_parents(parent: Path) -> None:
+    """Creates ``parent`` and its missing ancestors, each fsynced into its own parent (a crash
+    must not lose the directories a committed save lives in)."""
+    missing = []
+    p = parent
+    while not p.exists():
+        missing.append(p)
+        p = p.parent
+    for d in reversed(missing):
+        with contextlib.suppress(FileExistsError):
+            d.mkdir()
+        _fsync_path(d.parent)
+
+
 def refuse_unswappable(target: Path) -> None:
     """Raises before anything is written when the commit's directory swap would destroy or fail:
     the target is a mount point (the rename fails with EBUSY), or holds one (its files would be
@@ -271,6 +339,9 @@ class Output:
         self.finished = False
         self.interrupted: KeyboardInterrupt | None = None  # a deferred Ctrl-C this rank agreed on
         self.swapped = False  # the new checkpoint is at out_dir (set by _commit on group rank 0)
+        # This process's working directory when it lies in the target: the swap replaces that
+        # directory, so the process re-enters the same path, in the new one, after the commit.
+        self.cwd = _cwd_inside(out_dir)
 
     # -- agreement ------------------------------------------------------------------
 
@@ -356,8 +427,9 @@ class Output:
         """Collective: True when every rank provably sees group rank 0's temporary directory.
 
         Rank 0 writes a probe file holding a random token; every other rank opens it under
-        its own path to the directory, reads the token and compares the file's
-        (st_dev, st_ino) with rank 0's. All ranks agree on the answer. The probe is removed.
+        its own path to the directory and reads the token back; a rank on rank 0's host also
+        compares the file's (st_dev, st_ino) with rank 0's (device numbers differ per host on
+        NFS and Lustre). All ranks agree on the answer. The probe is removed.
         """
         if self.group is None or dist.get_world_size(self.group) == 1:
             return True
@@ -368,7 +440,7 @@ class Output:
             try:
                 probe.write_text(token)
                 st = probe.stat()
-                ident = (token, st.st_dev, st.st_ino)
+                ident = (token, socket.gethostname(), st.st_dev, st.st_ino)
             except OSError as exc:
                 ident = None
                 log.info("streamload: cannot write the probe file %s: %s", probe, exc)
@@ -382,7 +454,10 @@ class Output:
                     token = os.pread(fd, 64, 0).decode()
                 finally:
                     os.close(fd)
-                same = (token, st.st_dev, st.st_ino) == tuple(ident)
+                # The random token read back proves the file is rank 0's; (st_dev, st_ino) are
+                # compared on rank 0's host only (NFS and Lustre number devices per host).
+                here = ident[1] == socket.gethostname()
+                same = token == ident[0] and (not here or (st.st_dev, st.st_ino) == tuple(ident[2:]))
             except (OSError, UnicodeDecodeError):
                 same = False
         verdict = all(all_gather_object(same, self.group, self.device))
@@ -447,7 +522,8 @@ class Output:
         else:
             # No atomic exchange here: rename the old target aside first. A crash between the
             # two renames leaves the old checkpoint under the aside name, never a mix.
-            old = target.parent / f".{target.name}{OLD_TAG}{self.tmp_dir.name.rsplit('-', 1)[-1]}"
+            token = self.tmp_dir.name[len(f".{target.name}{TMP_TAG}") :].split("-")[0]
+            old = target.parent / f".{target.name}{OLD_TAG}{token}"
             os.rename(target, old)
             try:
                 os.rename(self.tmp_dir, target)
@@ -499,6 +575,16 @@ class Output:
             if lost_peer(exc) and not self.swapped:  # lost inside one of the agreements below
                 shutil.rmtree(self.tmp_dir, ignore_errors=True)
             raise
+        finally:
+            self._reenter_cwd()
+
+    def _reenter_cwd(self) -> None:
+        if self.cwd is not None:
+            try:
+                os.chdir(self.cwd)
+            except OSError:  # that subdirectory is gone from the new checkpoint: its top
+                with contextlib.suppress(OSError):
+                    os.chdir(self.out_dir)
 
     def _finish(self, local: BaseException | None) -> None:
         try:
@@ -579,7 +665,7 @@ def open_output(
     # As the kernel resolves it: a symlink to a directory is saved through (its destination is
     # replaced, the link kept), and ``..`` after a symlink goes up from the link's destination.
     target = Path(os.path.realpath(os.fspath(out_dir)))
-    token = secrets.token_hex(8) if _group_rank(group) == 0 else None
+    token = f"{secrets.token_hex(8)}-{_owner()}" if _group_rank(group) == 0 else None
     if group is not None and dist.get_world_size(group) > 1:
         token = broadcast_object(token, dist.get_global_rank(group, 0), group, wire)
     tmp = target.parent / f".{target.name}{TMP_TAG}{token}"
@@ -592,7 +678,8 @@ def open_output(
                     errno.ENOTDIR, "the save target exists and is not a directory", str(target)
                 )
             refuse_unswappable(target)
-            target.parent.mkdir(parents=True, exist_ok=True)
+            _make_parents(target.parent)
+            remove_stale(target)
             tmp.mkdir(mode=0o700)  # private while the save runs; the target's mode at the commit
         except BaseException as exc:  # noqa: BLE001 - agreed below
             local = exc
