@@ -216,6 +216,7 @@ def _arrive(m: Meeting, mine: str) -> None:
         store.compare_set(outcome_key, "", _verdict(m))
     deadline = time.monotonic() + m.timeout
     outcome = ""
+    decider = False
     while not outcome:
         left = deadline - time.monotonic()
         try:
@@ -232,7 +233,9 @@ def _arrive(m: Meeting, mine: str) -> None:
                 if outcome != "go":
                     m.pending_interrupt = False
                     raise KeyboardInterrupt from None
-            elif time.monotonic() >= deadline:
+            elif time.monotonic() >= deadline and (decider or store.add(m.key("decide"), 1) == 1):
+                # One rank (the first past its deadline) lists the absent: W checks, not W x W.
+                decider = True
                 absent = [r for r in range(m.world) if not store.check([m.key("in", r)])]
                 if absent:  # else the last rank is arriving right now: its verdict comes next
                     outcome = store.compare_set(outcome_key, "", "absent:" + json.dumps(absent)).decode()
@@ -282,7 +285,7 @@ def _forget(m: Meeting) -> None:
     one, so every rank has read that one's verdict (the store holds two meetings per group)."""
     old = m.base.rsplit("/", 1)[0] + f"/{int(m.base.rsplit('/', 1)[1]) - 2}"
     mine = [f"{old}/{w}/r{m.me}" for w in ("in", "left", "alive")]
-    shared = [f"{old}/{w}" for w in ("count", "outcome", "lost")] if m.me == 0 else []
+    shared = [f"{old}/{w}" for w in ("count", "outcome", "lost", "decide", "alive")] if m.me == 0 else []
     for key in mine + shared:
         with contextlib.suppress(Exception):
             m.store.delete_key(key)
@@ -366,12 +369,12 @@ def _roll_call(m: Meeting, exc: BaseException) -> RankLostError:
     unheard = set(range(m.world)) - {m.me}
     try:
         store.set(m.key("alive", m.me), "1")
+        answered = store.add(m.key("alive"), 1)
         deadline = time.monotonic() + min(ROLL_CALL_SECONDS, m.timeout)
-        while True:
-            unheard = {r for r in unheard if not store.check([m.key("alive", r)])}
-            if not unheard or time.monotonic() >= deadline:
-                break
+        while answered < m.world and time.monotonic() < deadline:  # one counter read per poll
             time.sleep(0.1)
+            answered = store.add(m.key("alive"), 0)
+        unheard = {r for r in unheard if not store.check([m.key("alive", r)])}
         notes = [
             f"rank {r}: {store.get(m.key('left', r)).decode()}"
             for r in sorted(unheard)
