@@ -23,6 +23,7 @@ import pytest
 
 from streamload.errors import SaveError
 from streamload.save import commit
+from streamload.save import target as target_dir
 from streamload.save.commit import open_output
 
 WORLD = 3
@@ -143,7 +144,7 @@ def test_carry_failure_leaves_target_untouched(tmp_path: Path, monkeypatch: pyte
     def fail(src: str, dst: str) -> str:
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
-    monkeypatch.setattr(commit, "_link_or_copy", fail)
+    monkeypatch.setattr(target_dir, "link_or_copy", fail)
     with pytest.raises(SaveError, match="No space left on device"):
         with open_output(target) as out:
             out.create_files({"model.safetensors": 1})
@@ -271,7 +272,7 @@ def test_stale_temporary_directories_of_dead_saves_are_removed(tmp_path: Path) -
     target = tmp_path / "ckpt"
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
     pid = int(dead.stdout)
-    me = f"{os.getpid()}-{commit._start_time(os.getpid())}@{host}"
+    me = f"{os.getpid()}-{target_dir.start_time(os.getpid())}@{host}"
     names = {
         "dead": f".ckpt{commit.TMP_TAG}{'a' * 16}-{pid}-1@{host}",
         "reused_pid": f".ckpt{commit.TMP_TAG}{'b' * 16}-{os.getpid()}-1@{host}",
@@ -333,6 +334,7 @@ def test_bad_names_refused(tmp_path: Path) -> None:
 CHILD = r"""
 import json, os, sys
 from streamload.errors import SaveError
+from streamload.save import target as target_dir
 from streamload.save.commit import open_output
 try:
     with open_output(sys.argv[1]) as out:

@@ -38,11 +38,9 @@ import ctypes.util
 import errno
 import logging
 import os
-import re
 import secrets
 import shutil
 import socket
-import stat
 from pathlib import Path
 from types import TracebackType
 from typing import Any
@@ -54,11 +52,22 @@ from ..errors import RemoteRankError, SaveError
 from ..transport.arrival import lost_peer, take_interrupt
 from ..transport.collectives import all_gather_object, broadcast_object
 from ..transport.protocol import carries_cpu
+from .target import (
+    OLD_TAG,
+    TMP_TAG,
+    carry_entry,
+    copy_dir_attrs,
+    cwd_inside,
+    make_parents,
+    old_weight_file,
+    owner,
+    refuse_unswappable,
+    remove_stale,
+)
+from .target import fsync_path as _fsync_path
 
 log = logging.getLogger("streamload")
 
-TMP_TAG = ".streamload-tmp-"
-OLD_TAG = ".streamload-old-"
 PROBE = ".streamload-probe"
 
 _AT_FDCWD = -100
@@ -130,14 +139,6 @@ def rename_exchange(src: str | os.PathLike, dst: str | os.PathLike) -> bool:
     raise OSError(err, os.strerror(err), os.fspath(src), None, os.fspath(dst))
 
 
-def _fsync_path(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _fsync_tree(root: Path) -> None:
     """fsyncs every regular file under ``root``, then each directory (deepest first)."""
     dirs = []
@@ -160,159 +161,6 @@ def _remove(path: Path) -> None:
             path.unlink()
     except OSError as exc:
         log.warning("streamload: could not remove %s: %s", path, exc)
-
-
-# The old checkpoint's weight files, in transformers' names for its weights: replaced by the new
-# save's, never carried over. Any other file is kept, other ``*.safetensors`` included
-# (``adapter_model.safetensors``, ``model_ema.safetensors``, ``consolidated.safetensors``), as
-# transformers' own save_pretrained keeps them.
-_OLD_WEIGHTS = re.compile(r"model(-\d{5}-of-\d{5})?\.safetensors|model\.safetensors\.index\.json")
-
-
-def old_weight_file(name: str) -> bool:
-    """Whether ``name`` is a weight file of the checkpoint a save replaces (not carried over)."""
-    return _OLD_WEIGHTS.fullmatch(name) is not None
-
-
-def _link_or_copy(src: str, dst: str) -> str:
-    """Hard-links ``src`` at ``dst``; copies it where linking fails (another device, not permitted)."""
-    try:
-        os.link(src, dst, follow_symlinks=False)
-    except OSError:
-        shutil.copy2(src, dst, follow_symlinks=False)  # raises what a copy cannot do either (space)
-    return dst
-
-
-def _carry_entry(src: Path, dst: Path) -> None:
-    """Puts ``src`` (a file, a symlink or a directory tree) at ``dst`` by hard links."""
-    if src.is_symlink():
-        os.symlink(os.readlink(src), dst)
-    elif src.is_dir():
-        shutil.copytree(src, dst, symlinks=True, copy_function=_link_or_copy)
-    else:
-        _link_or_copy(str(src), str(dst))
-
-
-def _cwd_inside(target: Path) -> str | None:
-    """This process's working directory when it is ``target`` or lies under it, else None."""
-    try:
-        cwd = os.getcwd()
-    except OSError:
-        return None
-    inside = cwd == str(target) or cwd.startswith(str(target).rstrip(os.sep) + os.sep)
-    return cwd if inside else None
-
-
-def _owner() -> str:
-    """``<pid>-<start>@<host>``: who made a temporary directory (``remove_stale`` reads it)."""
-    return f"{os.getpid()}-{_start_time(os.getpid())}@{socket.gethostname()}"
-
-
-def _start_time(pid: int) -> int:
-    """The process's start time in clock ticks since boot (Linux), 0 where unknown."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return int(f.read().rsplit(")", 1)[1].split()[19])
-    except (OSError, IndexError, ValueError):
-        return 0
-
-
-_STALE = re.compile(r"[0-9a-f]{16}-(?P<pid>\d+)-(?P<start>\d+)@(?P<host>.+)")
-
-
-def remove_stale(target: Path) -> list[Path]:
-    """Removes the temporary directories earlier saves to ``target`` left when their process
-    died (killed, out of memory, the node lost): only ours by name, only made on this host, and
-    only when the process that made it is gone (its pid no longer runs, or runs a newer process).
-    Directories from other hosts or live processes are left. Returns what was removed."""
-    prefix = f".{target.name}{TMP_TAG}"
-    removed = []
-    host = socket.gethostname()
-    try:
-        names = [n for n in os.listdir(target.parent) if n.startswith(prefix)]
-    except OSError:
-        return []
-    for name in names:
-        m = _STALE.fullmatch(name[len(prefix) :])
-        path = target.parent / name
-        if m is None or m["host"] != host or not path.is_dir() or path.is_symlink():
-            continue
-        pid, start = int(m["pid"]), int(m["start"])
-        if os.path.exists(f"/proc/{pid}") and _start_time(pid) in (start, 0):
-            continue  # its process still runs
-        shutil.rmtree(path, ignore_errors=True)
-        log.info("streamload: removed %s, left by a save whose process (pid %d) is gone", path, pid)
-        removed.append(path)
-    return removed
-
-
-def _make_parents(parent: Path) -> None:
-    """Creates ``parent`` and its missing ancestors, each fsynced into its own parent (a crash
-    must not lose the directories a committed save lives in)."""
-    missing = []
-    p = parent
-    while not p.exists():
-        missing.append(p)
-        p = p.parent
-    for d in reversed(missing):
-        with contextlib.suppress(FileExistsError):
-            d.mkdir()
-        _fsync_path(d.parent)
-
-
-def refuse_unswappable(target: Path) -> None:
-    """Raises before anything is written when the commit's directory swap would destroy or fail:
-    the target is a mount point (the rename fails with EBUSY), or holds one (its files would be
-    copied, then the mounted file system emptied with the old directory)."""
-    if not target.is_dir():
-        return
-    mounts = [target] if os.path.ismount(target) else []
-    with os.scandir(target) as entries:
-        mounts += [Path(e.path) for e in entries if e.is_dir(follow_symlinks=False) and os.path.ismount(e.path)]
-    if mounts:
-        raise SaveError(
-            f"the save target is or holds a mount point ({', '.join(map(str, mounts[:3]))}): a save replaces "
-            "its target directory as a whole, which would empty or fail on a mounted file system",
-            file=str(target),
-            hint="save into a directory of its own (a subdirectory of the mount, or beside it)",
-        )
-
-
-def _umask() -> int:
-    """This process's umask, read without changing it (Linux), else by setting it back at once."""
-    try:
-        with open("/proc/self/status") as status:
-            for line in status:
-                if line.startswith("Umask:"):
-                    return int(line.split()[1], 8)
-    except OSError:
-        pass
-    mask = os.umask(0o022)
-    os.umask(mask)
-    return mask
-
-
-def copy_dir_attrs(old: Path | None, new: Path) -> None:
-    """Gives ``new`` (the save's private temporary directory) what the directory it replaces had:
-    its mode, owner and group where this process may set them, and its ACLs and other extended
-    attributes; a new target gets ``mkdir``'s default mode (0o777 less the umask)."""
-    if old is None:
-        os.chmod(new, 0o777 & ~_umask())
-        return
-    st = os.stat(old)
-    with contextlib.suppress(PermissionError):
-        os.chown(new, st.st_uid, st.st_gid)
-    for name in _xattrs(old):
-        with contextlib.suppress(OSError):
-            os.setxattr(new, name, os.getxattr(old, name))
-    os.chmod(new, stat.S_IMODE(st.st_mode))  # after the ACLs: chmod sets the ACL's mask entry too
-
-
-def _xattrs(path: Path) -> list[str]:
-    try:
-        return os.listxattr(path)
-    except OSError:  # no extended attributes on this file system
-        return []
 
 
 class Output:
@@ -341,7 +189,7 @@ class Output:
         self.swapped = False  # the new checkpoint is at out_dir (set by _commit on group rank 0)
         # This process's working directory when it lies in the target: the swap replaces that
         # directory, so the process re-enters the same path, in the new one, after the commit.
-        self.cwd = _cwd_inside(out_dir)
+        self.cwd = cwd_inside(out_dir)
 
     # -- agreement ------------------------------------------------------------------
 
@@ -498,7 +346,7 @@ class Output:
             dst = self.tmp_dir / name
             if old_weight_file(name) or os.path.lexists(dst):
                 continue
-            _carry_entry(target / name, dst)
+            carry_entry(target / name, dst)
 
     def _commit(self) -> None:
         """On group rank 0: makes the temporary directory durable and renames it into place.
@@ -665,7 +513,7 @@ def open_output(
     # As the kernel resolves it: a symlink to a directory is saved through (its destination is
     # replaced, the link kept), and ``..`` after a symlink goes up from the link's destination.
     target = Path(os.path.realpath(os.fspath(out_dir)))
-    token = f"{secrets.token_hex(8)}-{_owner()}" if _group_rank(group) == 0 else None
+    token = f"{secrets.token_hex(8)}-{owner()}" if _group_rank(group) == 0 else None
     if group is not None and dist.get_world_size(group) > 1:
         token = broadcast_object(token, dist.get_global_rank(group, 0), group, wire)
     tmp = target.parent / f".{target.name}{TMP_TAG}{token}"
@@ -678,7 +526,7 @@ def open_output(
                     errno.ENOTDIR, "the save target exists and is not a directory", str(target)
                 )
             refuse_unswappable(target)
-            _make_parents(target.parent)
+            make_parents(target.parent)
             remove_stale(target)
             tmp.mkdir(mode=0o700)  # private while the save runs; the target's mode at the commit
         except BaseException as exc:  # noqa: BLE001 - agreed below
