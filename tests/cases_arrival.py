@@ -232,20 +232,20 @@ def case_store_stays_small(rank: int, world: int, *, ckpt: str) -> list[int]:
     return counts
 
 
-def case_interrupt_during_save(rank: int, world: int, *, out_dir: str, victim: int) -> dict:
-    """A Ctrl-C on ``victim`` while the save plans its writes: no rank commits; the victim
-    raises KeyboardInterrupt, the others a SaveError naming it."""
-    import streamload.save.driver as save_driver
-
+def _save_interrupted(
+    rank: int, world: int, out_dir: str, where: Any, name: str, on_rank: int, **extra: Any
+) -> dict:
+    """``save_pretrained`` on every rank, ``where.name`` sending this process a SIGINT first on
+    ``on_rank``; what each rank raised, and what the target's parent holds after."""
     mesh = _mesh(world)
-    real = save_driver.plan_save
+    real = getattr(where, name)
 
-    def plan_save(*args: Any, **kwargs: Any) -> Any:
+    def interrupted(*args: Any, **kwargs: Any) -> Any:
         os.kill(os.getpid(), signal.SIGINT)
         return real(*args, **kwargs)
 
-    if rank == victim:
-        save_driver.plan_save = plan_save
+    if rank == on_rank:
+        setattr(where, name, interrupted)
     t0 = time.perf_counter()
     exc: BaseException | None = None
     try:
@@ -253,11 +253,20 @@ def case_interrupt_during_save(rank: int, world: int, *, out_dir: str, victim: i
     except BaseException as e:  # noqa: BLE001 - reported (KeyboardInterrupt included)
         exc = e
     finally:
-        save_driver.plan_save = real
+        setattr(where, name, real)
     dist.barrier()
-    row = _row(exc, t0, left=sorted(os.listdir(os.path.dirname(out_dir))))
+    row = _row(exc, t0, left=sorted(os.listdir(os.path.dirname(out_dir))), **extra)
+    row["saved"] = os.path.exists(os.path.join(out_dir, "config.json"))
     row["handler_restored"] = signal.getsignal(signal.SIGINT) is signal.default_int_handler
     return row
+
+
+def case_interrupt_during_save(rank: int, world: int, *, out_dir: str, victim: int) -> dict:
+    """A Ctrl-C on ``victim`` while the save plans its writes: no rank commits; the victim
+    raises KeyboardInterrupt, the others a SaveError naming it."""
+    import streamload.save.driver as save_driver
+
+    return _save_interrupted(rank, world, out_dir, save_driver, "plan_save", victim)
 
 
 def case_interrupt_during_commit(rank: int, world: int, *, out_dir: str) -> dict:
@@ -265,22 +274,4 @@ def case_interrupt_during_commit(rank: int, world: int, *, out_dir: str) -> dict
     rank; rank 0 raises KeyboardInterrupt once the call is done, the others return normally."""
     from streamload.save import commit
 
-    mesh = _mesh(world)
-    real = commit.Output._commit
-
-    def _commit(self: Any) -> None:
-        os.kill(os.getpid(), signal.SIGINT)
-        real(self)
-
-    if rank == 0:
-        commit.Output._commit = _commit  # type: ignore[method-assign]
-    t0 = time.perf_counter()
-    exc: BaseException | None = None
-    try:
-        streamload.save_pretrained(_MODEL["model"], out_dir, device_mesh=mesh)
-    except BaseException as e:  # noqa: BLE001 - reported (KeyboardInterrupt included)
-        exc = e
-    finally:
-        commit.Output._commit = real  # type: ignore[method-assign]
-    dist.barrier()
-    return _row(exc, t0, saved=os.path.exists(os.path.join(out_dir, "config.json")))
+    return _save_interrupted(rank, world, out_dir, commit.Output, "_commit", 0)

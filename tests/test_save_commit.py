@@ -394,6 +394,22 @@ def tiny_fs(tmp_path_factory: pytest.TempPathFactory) -> Path:
     subprocess.run(["umount", str(where)], check=False)
 
 
+@pytest.mark.parametrize("mounted", ["inside", "itself"])
+def test_mount_points_are_refused_simulated(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, mounted: str) -> None:
+    """The refusal where no tmpfs can be mounted: ``os.path.ismount`` says ``ckpt/data`` (or
+    ``ckpt``) is a mount point; nothing is written, nothing removed."""
+    target = tmp_path / "ckpt"
+    before = _old_checkpoint(target)
+    (target / "data").mkdir()
+    (target / "data" / "keep.bin").write_bytes(b"on the volume")
+    before["data/keep.bin"] = b"on the volume"
+    mount = target / "data" if mounted == "inside" else target
+    monkeypatch.setattr(target_dir.os.path, "ismount", lambda p: Path(p) == mount)
+    with pytest.raises(SaveError, match="mount point"):
+        open_output(target)
+    assert _snapshot(target) == before and _leftovers(tmp_path) == []
+
+
 def test_mounts_are_refused_before_anything_is_written(tmp_path: Path) -> None:
     """A target that holds a mount (``ckpt/data`` a volume) or is one: the directory swap would
     empty the mounted file system (its files copied, the old directory removed) or fail with
@@ -402,8 +418,12 @@ def test_mounts_are_refused_before_anything_is_written(tmp_path: Path) -> None:
     before = _old_checkpoint(target)
     data = target / "data"
     data.mkdir()
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(data)], capture_output=True).returncode:
-        pytest.skip("cannot mount a tmpfs here")
+    proc = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(data)], capture_output=True)
+    if proc.returncode:
+        pytest.skip(
+            f"this process may not mount a tmpfs ({proc.stderr.decode().strip()}): the refusal itself"
+            " is tested with simulated mount points (test_mount_points_are_refused_simulated)"
+        )
     try:
         (data / "keep.bin").write_bytes(b"on the volume")
         with pytest.raises(SaveError, match="mount point"):

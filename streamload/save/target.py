@@ -28,6 +28,7 @@ OLD_TAG = ".streamload-old-"
 
 
 def fsync_path(path: Path) -> None:
+    """fsyncs a file or a directory (a directory: the names in it, after a rename or mkdir)."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)

@@ -32,6 +32,7 @@ from ..plan.buckets import ALIGN, Target, validate_shapes
 from ..plan.convert import FallbackSources, plan_conversions
 from ..plan.keys import match_keys
 from ..plan.quant import QuantTensor, quantized_view, scheme_from_config
+from ..save.target import fsync_path
 from ..transport.pack import add_box_ops
 
 
@@ -171,9 +172,9 @@ def ingest(
             _set_config_dtype(tmp / "config.json", dtype)
         if quant:
             _drop_quantization_config(tmp / "config.json")
-        _fsync_dir(tmp)
+        fsync_path(tmp)
         os.rename(tmp, dst_p)
-        _fsync_dir(dst_p.parent)
+        fsync_path(dst_p.parent)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -255,11 +256,3 @@ def _drop_quantization_config(path: Path) -> None:
         cfg = json.loads(path.read_text())
         cfg.pop("quantization_config", None)
         path.write_text(json.dumps(cfg, indent=2) + "\n")
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
