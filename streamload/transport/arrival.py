@@ -233,8 +233,11 @@ def _arrive(m: Meeting, mine: str) -> None:
                 if outcome != "go":
                     m.pending_interrupt = False
                     raise KeyboardInterrupt from None
-            elif time.monotonic() >= deadline and (decider or store.add(m.key("decide"), 1) == 1):
-                # One rank (the first past its deadline) lists the absent: W checks, not W x W.
+            elif time.monotonic() >= deadline and (
+                decider or store.add(m.key("decide"), 1) == 1 or time.monotonic() >= deadline + 5.0
+            ):
+                # One rank (the first past its deadline) lists the absent: W checks, not W x W;
+                # 5 s later any rank does, should that one have died or been interrupted meanwhile.
                 decider = True
                 absent = [r for r in range(m.world) if not store.check([m.key("in", r)])]
                 if absent:  # else the last rank is arriving right now: its verdict comes next
