@@ -517,3 +517,62 @@ def case_fsdp_device(rank: int, world: int, *, ckpt: str) -> dict:
         out["load"] = f"{type(exc).__name__}: {exc}"
     out["load_s"] = time.perf_counter() - t0
     return out
+
+
+def case_save_side_group(rank: int, world: int, *, ckpt: str, out: str) -> dict:
+    """Saves with the agreements forced onto a gloo twin of the group, as on an NCCL-only
+    group: one group per save, destroyed with it (after a failure too), every agreement on
+    the twin, and a failing rank one SaveError naming it on every rank."""
+    import streamload.save.commit as commit
+    import streamload.save.driver as driver
+    import streamload.save.tiling as tiling
+
+    mesh = mesh_for(world)
+    model = streamload.from_pretrained(ckpt, device_mesh=mesh, bucket_bytes=4096, progress=False)
+    real_needs, real_new_group = protocol.needs_side_group, dist.new_group
+    real_gathers = commit.all_gather_object, tiling.all_gather_object
+    real_write = driver.write_owners
+    calls: list[Any] = []
+    _, counting = _counting_new_group(calls)
+    on_world: list[str] = []
+
+    def gather(where: str, real: Callable) -> Callable:
+        def wrapped(obj: Any, group: Any, device: Any) -> Any:
+            if group is None or group == dist.group.WORLD:
+                on_world.append(where)
+            return real(obj, group, device)
+
+        return wrapped
+
+    protocol.needs_side_group = lambda group, device: True
+    dist.new_group = counting
+    commit.all_gather_object = gather("commit", real_gathers[0])
+    tiling.all_gather_object = gather("tiling", real_gathers[1])
+    counts, errors = [], []
+    before = _process_group_count()
+    try:
+        for writers in ("owners", "src"):
+            streamload.save_pretrained(model, f"{out}-{writers}", writers=writers, bucket_bytes=4096)
+            counts.append(_process_group_count())
+        if rank == 1:
+
+            def write_owners(*args: Any, **kwargs: Any) -> Any:
+                raise OSError(28, "No space left on device (injected on rank 1)")
+
+            driver.write_owners = write_owners
+        try:
+            streamload.save_pretrained(model, f"{out}-fails", writers="owners", bucket_bytes=4096)
+        except streamload.SaveError as exc:
+            errors.append((type(exc).__name__, exc.rank))
+        counts.append(_process_group_count())
+    finally:
+        protocol.needs_side_group, dist.new_group = real_needs, real_new_group
+        commit.all_gather_object, tiling.all_gather_object = real_gathers
+        driver.write_owners = real_write
+    return {
+        "before": before,
+        "counts": counts,
+        "gloo_groups": calls.count("gloo"),
+        "errors": errors,
+        "on_world": on_world,
+    }

@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import threading
 from collections.abc import Iterator
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
@@ -397,3 +398,23 @@ def test_meta_model_is_materialised_where_fully_shard_recorded(group: RankGroup,
         assert r["load"] != "loaded" and r["load_s"] < 60, r
         if rank == 1:
             assert r["load"].startswith("PlacementError") and "fully_shard recorded cuda:1" in r["load"], r
+
+
+def test_save_agreements_on_a_side_group_per_save(group: RankGroup, ckpt: str, tmp_path: Path) -> None:
+    """On an NCCL-only group the save's agreements ride a gloo twin (a dead rank is noticed by
+    the store watch instead of NCCL's watchdog): forced here on gloo ranks."""
+    from safetensors.torch import load_file
+
+    out = tmp_path / "out"
+    res = group.run(cases.case_save_side_group, ckpt=ckpt, out=str(out))
+    for r in res:
+        assert r["gloo_groups"] == 3 and r["counts"] == [r["before"]] * 3, r  # one twin per save, none left
+        assert r["on_world"] == [], r  # no agreement on the group itself
+        assert r["errors"] == [("SaveError", 1)], r
+    a, b = (
+        load_file(tmp_path / "out-owners" / "model.safetensors"),
+        load_file(tmp_path / "out-src" / "model.safetensors"),
+    )
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert not (tmp_path / "out-fails").exists()
+    assert not [p for p in tmp_path.iterdir() if ".streamload-" in p.name]

@@ -88,6 +88,13 @@ def test_tp_fsdp_save(group: RankGroup, ckpts, tmp_path: Path, model: str) -> No
     # src: the writer wrote every byte, each rank's buffer stayed within the bucket.
     assert res[0]["src"]["bytes"] > 0 and all(r["src"]["peak"] <= cases.BUCKET for r in res), res
     assert sum(r["owners"]["bytes"] for r in res) == res[0]["src"]["bytes"], res
+    # Each byte written once: the norms FSDP shards over mesh['dp'] alone are held once per tp
+    # coordinate (copies DTensor does not call replicas); one copy writes them.
+    assert res[0]["src"]["bytes"] == _weight_bytes(tmp_path / "out-src"), res
+
+
+def _weight_bytes(root: Path) -> int:
+    return sum(p.stat().st_size for p in root.glob("*.safetensors"))
 
 
 def test_ep_fsdp_save(group: RankGroup, ckpts, tmp_path: Path) -> None:
@@ -96,6 +103,9 @@ def test_ep_fsdp_save(group: RankGroup, ckpts, tmp_path: Path) -> None:
         cases.case_ep_fsdp_save, timeout=300, ckpt=ckpts["qwen3_moe8"], out=str(out), writers=WRITERS
     )
     assert any("Shard(dim=0)" in p for p in res[0]["placements"]), res[0]["placements"]
+    # The dense weights (FSDP over mesh['dp'] alone) are held once per ep coordinate: written once.
+    assert res[0]["saves"]["src"]["bytes"] == _weight_bytes(tmp_path / "out-src"), res
+    assert sum(r["saves"]["owners"]["bytes"] for r in res) == res[0]["saves"]["src"]["bytes"], res
     for w in WRITERS:
         _check(ckpts["qwen3_moe8"], tmp_path / f"out-{w}", tmp_path)
 

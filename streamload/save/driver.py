@@ -4,10 +4,9 @@ writing its own bytes, in one pass, atomically."""
 
 from __future__ import annotations
 
-import hashlib
-import math
 import os
 import time
+import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -16,16 +15,15 @@ import torch.distributed as dist
 from torch import nn
 
 from ..errors import RankLostError, SaveError
-from ..io.copy_ops import ITEMSIZE
 from ..load.source import resolve_device, resolve_group
 from ..timeline import PhaseClock
 from ..transport.arrival import meeting
-from ..transport.collectives import all_gather_object
-from ..transport.protocol import carries_cpu
-from .commit import open_output
+from ..transport.protocol import StatusRoute, carries_cpu, open_status_route
+from .commit import Output, open_output
 from .gather import write_src
 from .layout import INDEX_NAME, Layout, output_layout, saved_config
 from .plan import SavePlan, plan_save
+from .tiling import check_tiling
 from .write import WriteStats, write_headers, write_owners
 
 WRITERS = ("auto", "owners", "src")
@@ -79,47 +77,6 @@ def _small_files(
             gen.save_pretrained(tmp)
         names.append("generation_config.json")
     return names
-
-
-def check_same_output(
-    layout: Layout, plan: SavePlan, group: dist.ProcessGroup | None, device: torch.device
-) -> None:
-    """Collective: every rank planned the same files, and the ranks' pieces cover every byte
-    of them (at least their count: a plan's own tiling check proves each tensor's pieces
-    exact on each rank).
-
-    Each rank plans alone (from its own model, ``dtype`` and ``max_shard_size``); a rank that
-    planned other headers would write at other offsets, and a save group smaller than the
-    model's mesh (a data-parallel group of a TP x FSDP model) would leave other ranks' bytes
-    as zeros. Either is a ``SaveError`` on every rank before any byte is written.
-    """
-    if group is None or dist.get_world_size(group) == 1:
-        digests, counts = [_digest(layout)], [plan.bytes_to_write(layout)]
-    else:
-        gathered = all_gather_object((_digest(layout), plan.bytes_to_write(layout)), group, device)
-        digests, counts = [g[0] for g in gathered], [g[1] for g in gathered]
-    if len(set(digests)) > 1:
-        bad = [r for r, d in enumerate(digests) if d != digests[0]]
-        raise SaveError(
-            f"the ranks planned different output files (group ranks {bad} differ from rank 0)",
-            hint="call save_pretrained with the same dtype= and max_shard_size= on every rank of the save's group",
-        )
-    need = sum(math.prod(t.shape) * ITEMSIZE[t.dtype] for t in layout.tensors.values())
-    # Fewer bytes than the files hold leaves zeros; more is a replica writing equal bytes twice.
-    if sum(counts) < need:
-        raise SaveError(
-            f"the save's ranks hold {sum(counts)} of the checkpoint's {need} bytes",
-            hint="save over every rank that holds a shard of the model: process_group= the group the model"
-            " is sharded over (for a TP x FSDP model, the whole mesh, not mesh['dp'])",
-        )
-
-
-def _digest(layout: Layout) -> str:
-    h = hashlib.sha1()
-    for f in layout.files:
-        h.update(f.name.encode() + b"\0" + f.size.to_bytes(8, "little") + f.header)
-    h.update(layout.index or b"")
-    return h.hexdigest()
 
 
 def _write(
@@ -227,14 +184,55 @@ def _save(
     rank = dist.get_rank(group) if group is not None else 0
     bucket = int(bucket_bytes) if bucket_bytes else DEFAULT_BUCKET_BYTES
     report = SaveReport()
-    # The agreements' wire: the CPU on gloo, else the model's own device (never blindly
-    # current_device(), which is cuda:0 on every rank that never called set_device).
+    # The data's wire: the CPU on gloo, else the model's own device (never blindly
+    # current_device(), which is cuda:0 on every rank that never called set_device). The
+    # agreements travel on the status route: on an NCCL-only group spanning the world, a gloo
+    # twin of it for this save, so a rank that died is noticed (``wait_work``) instead of
+    # waited for until NCCL's watchdog, and an agreement never waits for the device.
     wire = (
         torch.device("cpu")
         if group is None or carries_cpu(group)
         else resolve_device(model, device_mesh, group)
     )
-    out = open_output(out_dir, group, wire)
+    route = open_status_route(group, wire)
+    try:
+        out = open_output(out_dir, route.group, route.device)
+        _write_all(
+            model, out, report, clock, rank, dtype, max_shard_size, writers, group, wire, config, bucket
+        )
+    finally:
+        _close(route)
+    clock.mark("commit")
+    report.phases = clock.phases
+    report.seconds = time.perf_counter() - clock.start
+    return report
+
+
+def _close(route: StatusRoute) -> None:
+    """Destroys the save's gloo twin, if it made one; a failure is a warning (the ranks agreed
+    on the save's outcome before, and a group left behind costs memory only)."""
+    try:
+        route.close()
+    except Exception as exc:  # noqa: BLE001 - see the docstring
+        warnings.warn(f"streamload: the save's status group was not destroyed: {exc}", stacklevel=3)
+
+
+def _write_all(
+    model: nn.Module,
+    out: Output,
+    report: SaveReport,
+    clock: PhaseClock,
+    rank: int,
+    dtype: torch.dtype | None,
+    max_shard_size: int | str,
+    writers: str,
+    group: dist.ProcessGroup | None,
+    wire: torch.device,
+    config: Any,
+    bucket: int,
+) -> None:
+    """Plans, checks the tiling, writes and commits ``out``; agreements on ``out``'s group,
+    the src writer's data over ``group`` on ``wire``."""
     clock.mark("open")
     local: BaseException | None = None
     try:
@@ -246,7 +244,7 @@ def _save(
         except BaseException as exc:  # noqa: BLE001 - agreed below: the same error on every rank
             local = exc  # a KeyboardInterrupt too: skipping the agreement would hang the others
         out.agree(local)
-        check_same_output(layout, plan, group, out.device)
+        plan = check_tiling(layout, plan, out.group, out.device)
         out.create_files({f.name: f.size for f in layout.files})
         mode = writers if writers != "auto" else ("owners" if out.shared() else "src")
         report.writers = mode
@@ -258,7 +256,7 @@ def _save(
         except BaseException as exc:  # noqa: BLE001 - agreed: a rank that cannot open must not write alone
             local = exc
         out.agree(local)
-        stats = _write(mode, plan, layout, fds, bucket, group, out.device)
+        stats = _write(mode, plan, layout, fds, bucket, group, wire)
         report.bytes_written += stats.bytes_written
         report.writes = stats.writes
         report.peak_buffer_bytes = stats.peak_buffer_bytes
@@ -273,7 +271,3 @@ def _save(
         out.finish(ok=False, error=local if local is not None else exc)
         raise
     out.finish(ok=True)
-    clock.mark("commit")
-    report.phases = clock.phases
-    report.seconds = time.perf_counter() - clock.start
-    return report

@@ -1,0 +1,57 @@
+"""Exact tiling (streamload/save/tiling.py): every byte of a save is written by one rank from
+one value. Ranks whose meshes hold copies of one shard that DTensor does not call replicas
+(one mesh per rank, FSDP over mesh['dp'] of a larger mesh) write equal copies once and refuse
+copies that differ; ranks whose regions partly overlap are refused. Three gloo ranks."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import cases_save_tiling as cases
+import pytest
+import torch
+from rank_group import RankGroup
+from safetensors.torch import load_file
+
+WORLD = 3
+
+
+@pytest.fixture(scope="module")
+def group():
+    g = RankGroup(WORLD)
+    yield g
+    g.close()
+
+
+def _leftovers(parent: Path) -> list[str]:
+    return [n for n in os.listdir(parent) if ".streamload-" in n]
+
+
+def test_copies_that_differ_are_refused_on_every_rank(group: RankGroup, tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    res = group.run(cases.case_meshes, out=str(out), layout="own", differ=True)
+    assert all("refusing to write a mix" in r.get("error", "") for r in res), res
+    assert all("output tensor 'b'" in r["error"] for r in res), res  # the first region in key order
+    assert {r["rank"] for r in res} == {1}  # rank 1 holds other values than rank 0
+    assert not out.exists() and not _leftovers(tmp_path)
+
+
+def test_equal_copies_are_written_once(group: RankGroup, tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    res = group.run(cases.case_meshes, out=str(out), layout="own", differ=False)
+    assert all("error" not in r for r in res), res
+    got = load_file(out / "model.safetensors")
+    assert got.keys() == res[0]["ref"].keys() and all(torch.equal(got[k], res[0]["ref"][k]) for k in got)
+    # rank 0 writes the tensors (and the header), the copies on ranks 1 and 2 nothing.
+    data = sum(t.numel() * t.element_size() for t in got.values())
+    assert res[0]["bytes"] > data and [r["bytes"] for r in res[1:]] == [0, 0], res
+    assert not _leftovers(tmp_path)
+
+
+def test_regions_that_partly_overlap_are_refused(group: RankGroup, tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    res = group.run(cases.case_meshes, out=str(out), layout="split", differ=False)
+    assert all("both write elements" in r.get("error", "") for r in res), res
+    assert all("ranks [0] and [2]" in r["error"] or "ranks [1] and [2]" in r["error"] for r in res), res
+    assert not out.exists() and not _leftovers(tmp_path)
