@@ -484,7 +484,7 @@ def case_fsdp_device(rank: int, world: int, *, ckpt: str) -> dict:
     device differs (on one rank only) raises on every rank, naming both devices there."""
     from types import SimpleNamespace
 
-    from streamload.load.source import resolve_device
+    from streamload.model.placement import resolve_device
     from streamload.model.state import check_fsdp_device, fsdp_device
 
     mesh = mesh_for(world)

@@ -18,7 +18,7 @@ from cases_gpu import FakeBackend
 from rank_group import RankGroup
 from torch import nn
 
-from streamload.load.source import resolve_device
+from streamload.model.placement import resolve_device
 from streamload.tools.synthetic import make_checkpoint
 from streamload.transport import protocol
 from streamload.transport.staging import PAGE, CudaBackend, Stager, open_stager, registered_bytes

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..load.source import resolve_group
+from ..model.placement import resolve_group
 from ..report import LoadReport
 from ..transport.arrival import meeting
 from .areal import model_mesh

@@ -18,7 +18,7 @@ from torch import nn
 
 from ..errors import TieError
 from ..io.checkpoint import Checkpoint
-from ..load.source import resolve_device, resolve_group
+from ..model.placement import resolve_device, resolve_group
 from ..model.state import record_state
 from ..report import LoadReport
 from ..transport.arrival import meeting

@@ -11,7 +11,7 @@ from torch import nn
 
 from ..io.checkpoint import Checkpoint
 from ..load.driver import load_checkpoint
-from ..load.source import resolve_device, resolve_group
+from ..model.placement import resolve_device, resolve_group
 from ..report import LoadReport
 from ..transport.arrival import meeting
 from .verl import agree_buffers, install_buffers

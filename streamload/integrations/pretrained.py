@@ -16,7 +16,8 @@ from ..errors import CheckpointError, hf_missing
 from ..io.remote import RemotePath, as_remote, read_small
 from ..load.driver import run_load
 from ..load.prepare import LoadOptions
-from ..load.source import compare_tied, open_source, resolve_device, resolve_group
+from ..load.source import compare_tied, open_source
+from ..model.placement import resolve_device, resolve_group
 from ..model.state import ModelState, rebind_ties, record_state
 from ..timeline import PhaseClock
 from ..transport.arrival import meeting

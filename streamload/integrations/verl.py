@@ -12,7 +12,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..errors import DTypeMismatchError, KeyMismatchError, ShapeMismatchError
-from ..load.source import resolve_group
+from ..model.placement import resolve_group
 from ..transport.arrival import wait_work
 from ..transport.protocol import gather_or_raise
 

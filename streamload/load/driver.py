@@ -12,6 +12,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..io.checkpoint import Checkpoint
+from ..model.placement import resolve_group
 from ..report import LoadReport
 from ..timeline import PhaseClock, current, recording
 from ..transport.arrival import meeting
@@ -19,7 +20,7 @@ from ..transport.readers import ReaderMode
 from ..transport.strategies import StreamResult
 from .finalize import finalize
 from .prepare import LoadOptions, prepare
-from .source import OpenedSource, resolve_group
+from .source import OpenedSource
 
 
 def load_checkpoint(

@@ -24,6 +24,7 @@ from ..model.mapped import MappedShards, map_shards
 from ..model.missing import fill_uncovered, snapshot_real
 from ..model.offload import materialize_offloaded, offloads_to_cpu
 from ..model.own_buffers import init_own_buffers, unwritten_is_loud
+from ..model.placement import resolve_device, resolve_group
 from ..model.specs import (
     LayoutSpec,
     global_layout,
@@ -57,7 +58,7 @@ from ..transport.protocol import gather_or_raise
 from ..transport.readers import ReaderChoice, ReaderMode, choose, fall_back, opened_identity
 from ..transport.strategies import ReaderStrategy, make_strategy
 from ..transport.stream import Shards
-from .source import OpenedSource, SourceMeta, check_same_table, open_source, resolve_device, resolve_group
+from .source import OpenedSource, SourceMeta, check_same_table, open_source
 
 log = logging.getLogger("streamload")
 

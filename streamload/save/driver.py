@@ -15,7 +15,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..errors import RankLostError, SaveError
-from ..load.source import resolve_device, resolve_group
+from ..model.placement import resolve_device, resolve_group
 from ..timeline import PhaseClock
 from ..transport.arrival import meeting
 from ..transport.protocol import StatusRoute, carries_cpu, open_status_route
@@ -125,7 +125,7 @@ def save_pretrained(
             rank sees), ``"src"`` (one rank writes, the others send their pieces) or
             ``"auto"`` (owners when every rank sees the temporary directory, else src).
         process_group: the save's group (default: ``device_mesh``'s ranks - a 1-D mesh's group,
-            a group over an N-d mesh's ranks made by them alone (``load.source.mesh_group``) -, else the default group when
+            a group over an N-d mesh's ranks made by them alone (``model.placement.mesh_group``) -, else the default group when
             torch.distributed is initialized, else one process). It must hold every rank
             that holds a shard: a smaller group is a ``SaveError`` on every rank.
         device_mesh: the model's mesh (finds the group and the device of the agreements).

@@ -26,6 +26,7 @@ import hashlib
 import math
 from collections.abc import Sequence
 from dataclasses import replace
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -204,7 +205,8 @@ def _settle_copies(
 def _digest(piece: Piece, plan: SavePlan) -> bytes:
     """A digest of the bytes this rank would write for ``piece`` (in its own dtype)."""
     region = piece.view(local_of(plan.tensors[piece.target])).contiguous().cpu()
-    return hashlib.blake2b(region.reshape(-1).view(torch.uint8).numpy(), digest_size=16).digest()
+    data: Any = region.reshape(-1).view(torch.uint8).numpy()  # a buffer: hashed without a copy
+    return hashlib.blake2b(data, digest_size=16).digest()
 
 
 def _global(ranks: Sequence[int], group: dist.ProcessGroup | None) -> list[int]:
