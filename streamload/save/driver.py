@@ -153,36 +153,37 @@ def save_pretrained(
     if writers not in WRITERS:
         raise ValueError(f"writers must be one of {WRITERS}, not {writers!r}")
     group = resolve_group(process_group, device_mesh)
-    agreed = {
-        "dtype": dtype,
-        "max_shard_size": max_shard_size,
-        "writers": writers,
-        "bucket_bytes": int(bucket_bytes) if bucket_bytes else DEFAULT_BUCKET_BYTES,  # None == the default
-    }
+    bucket = int(bucket_bytes) if bucket_bytes else DEFAULT_BUCKET_BYTES  # None == the default
+    agreed = {"dtype": dtype, "max_shard_size": max_shard_size, "writers": writers, "bucket_bytes": bucket}
     try:
         with meeting("save_pretrained", group, timeout, agreed):
-            return _save(
-                model, out_dir, dtype, max_shard_size, writers, group, device_mesh, config, bucket_bytes
-            )
+            asked = _Asked(dtype, max_shard_size, writers, config, bucket)
+            return _save(model, out_dir, asked, group, device_mesh)
     except RankLostError as exc:  # a peer died: the save's promise is a SaveError, the lost ranks named
         raise SaveError(exc.reason, rank=exc.rank, hint=exc.hint) from exc
+
+
+@dataclass(frozen=True)
+class _Asked:
+    """What the caller asked of one save (agreed equal on every rank by the meeting)."""
+
+    dtype: torch.dtype | None
+    max_shard_size: int | str
+    writers: str
+    config: Any
+    bucket: int
 
 
 def _save(
     model: nn.Module,
     out_dir: str | os.PathLike,
-    dtype: torch.dtype | None,
-    max_shard_size: int | str,
-    writers: str,
+    asked: _Asked,
     group: dist.ProcessGroup | None,
     device_mesh: Any,
-    config: Any,
-    bucket_bytes: int | None,
 ) -> SaveReport:
     """``save_pretrained`` once the ranks met."""
     clock = PhaseClock()
     rank = dist.get_rank(group) if group is not None else 0
-    bucket = int(bucket_bytes) if bucket_bytes else DEFAULT_BUCKET_BYTES
     report = SaveReport()
     # The data's wire: the CPU on gloo, else the model's own device (never blindly
     # current_device(), which is cuda:0 on every rank that never called set_device). The
@@ -197,9 +198,7 @@ def _save(
     route = open_status_route(group, wire)
     try:
         out = open_output(out_dir, route.group, route.device)
-        _write_all(
-            model, out, report, clock, rank, dtype, max_shard_size, writers, group, wire, config, bucket
-        )
+        _write_all(model, out, asked, report, clock, rank, group, wire)
     finally:
         _close(route)
     clock.mark("commit")
@@ -220,16 +219,12 @@ def _close(route: StatusRoute) -> None:
 def _write_all(
     model: nn.Module,
     out: Output,
+    asked: _Asked,
     report: SaveReport,
     clock: PhaseClock,
     rank: int,
-    dtype: torch.dtype | None,
-    max_shard_size: int | str,
-    writers: str,
     group: dist.ProcessGroup | None,
     wire: torch.device,
-    config: Any,
-    bucket: int,
 ) -> None:
     """Plans, checks the tiling, writes and commits ``out``; agreements on ``out``'s group,
     the src writer's data over ``group`` on ``wire``."""
@@ -237,7 +232,7 @@ def _write_all(
     local: BaseException | None = None
     try:
         try:
-            layout = output_layout(model, dtype=dtype, max_shard_size=max_shard_size)
+            layout = output_layout(model, dtype=asked.dtype, max_shard_size=asked.max_shard_size)
             clock.mark("layout")
             plan = plan_save(model, layout, rank)
             clock.mark("plan")
@@ -246,7 +241,7 @@ def _write_all(
         out.agree(local)
         plan = check_tiling(layout, plan, out.group, out.device)
         out.create_files({f.name: f.size for f in layout.files})
-        mode = writers if writers != "auto" else ("owners" if out.shared() else "src")
+        mode = asked.writers if asked.writers != "auto" else ("owners" if out.shared() else "src")
         report.writers = mode
         # src: only the writer opens the files (the others may not see the directory at all).
         fds: dict[str, int] = {}
@@ -256,13 +251,13 @@ def _write_all(
         except BaseException as exc:  # noqa: BLE001 - agreed: a rank that cannot open must not write alone
             local = exc
         out.agree(local)
-        stats = _write(mode, plan, layout, fds, bucket, group, wire)
+        stats = _write(mode, plan, layout, fds, asked.bucket, group, wire)
         report.bytes_written += stats.bytes_written
         report.writes = stats.writes
         report.peak_buffer_bytes = stats.peak_buffer_bytes
         if rank == 0:
             report.bytes_written += write_headers(layout, fds)
-        small = _small_files(model, config, dtype, layout, str(out.tmp_dir), write=rank == 0)
+        small = _small_files(model, asked.config, asked.dtype, layout, str(out.tmp_dir), write=rank == 0)
         report.files = [f.name for f in layout.files] + small
         clock.mark("write")
     except BaseException as exc:
