@@ -14,7 +14,7 @@ from typing import Any
 import torch.distributed as dist
 
 from streamload.errors import SaveError
-from streamload.save import commit
+from streamload.save import commit, directory
 
 SLICE = 4096
 
@@ -78,19 +78,19 @@ def case_save(
     """A save, optionally failing on ``fail_rank`` (``enospc``: its write; ``fsync``: its fsync;
     ``interrupt``: KeyboardInterrupt mid-write; ``rename``: the commit's exchange on rank 0;
     ``tiny``: nothing injected, the target's file system is what is too small)."""
-    real_exchange = commit.rename_exchange
+    real_exchange = directory.rename_exchange
     if fail == "rename" and rank == 0:
 
         def refuse(src: Any, dst: Any) -> bool:
             raise OSError(errno.EIO, os.strerror(errno.EIO))
 
-        commit.rename_exchange = refuse  # type: ignore[assignment]
+        directory.rename_exchange = refuse  # type: ignore[assignment]
     if fail == "no-exchange" and rank == 0:
-        commit.rename_exchange = lambda src, dst: False  # type: ignore[assignment]
+        directory.rename_exchange = lambda src, dst: False  # type: ignore[assignment]
     try:
         return _outcome(lambda: _save(rank, world, Path(target), fail, fail_rank))
     finally:
-        commit.rename_exchange = real_exchange  # type: ignore[assignment]
+        directory.rename_exchange = real_exchange  # type: ignore[assignment]
 
 
 def case_bad_target(rank: int, world: int, target: str) -> dict[str, Any]:

@@ -11,35 +11,26 @@ every step, in order)::
     out.finish(ok=True)                 # fsync, agree, rename into place (or clean up)
 
 ``finish`` fsyncs every descriptor ``open`` handed out, all-gathers whether
-each rank's writes succeeded, and then group rank 0 fsyncs the files and the
-directory and renames it into place: an existing target is swapped atomically
-(Linux ``renameat2(RENAME_EXCHANGE)``) and the old checkpoint removed. As with
-transformers' ``save_pretrained``, files of the existing target the new save does
-not write (a tokenizer, a README, code, subdirectories such as other checkpoints)
-are kept: before the swap they are hard-linked (copied where linking fails) into
-the temporary directory; only the old weight files (``*.safetensors``,
-``*.safetensors.index.json``) are dropped, so no stale shard survives. Where
-the exchange is not supported (another OS, an old kernel, a file system
-without it), the old target is first renamed aside and then removed: a crash
-between those two renames leaves the old checkpoint at
-``<parent>/.<name>.streamload-old-<id>`` and nothing at the target, never a
-mix. A failure on any rank is one ``SaveError`` on every rank (naming the
-failing rank and its cause), raised after the temporary directory was
-removed; the target is untouched. Once the new checkpoint is renamed into
-place the save is committed: a later failure (the parent directory's fsync, the
-old copy's removal) is logged as a warning, never an error.
+each rank's writes succeeded, and then group rank 0 commits the directory
+(``directory.DirectoryCommit``, shared with ``streamload ingest``): the
+existing target's entries the save does not write are carried over, all but
+its old weight files; the new directory takes the old one's mode, owner and
+ACLs, is fsynced and swapped into place; the replaced directory is settled
+(emptied of what the new one holds, kept with a warning where entries made
+during the save could not join). A failure on any rank is one ``SaveError``
+on every rank (naming the failing rank and its cause), raised after the
+temporary directory was removed; the target is untouched. Once the new
+checkpoint is in place the save is committed: a later failure (the parent
+directory's fsync, the settling) is logged as a warning, never an error.
 """
 
 from __future__ import annotations
 
 import contextlib
-import ctypes
-import ctypes.util
 import errno
 import logging
 import os
 import secrets
-import shutil
 import socket
 from pathlib import Path
 from types import TracebackType
@@ -52,28 +43,14 @@ from ..errors import RemoteRankError, SaveError
 from ..transport.arrival import lost_peer, take_interrupt
 from ..transport.collectives import all_gather_object, broadcast_object
 from ..transport.protocol import carries_cpu
-from .target import (
-    OLD_TAG,
-    TMP_TAG,
-    carry_entry,
-    copy_dir_attrs,
-    cwd_inside,
-    make_parents,
-    old_weight_file,
-    owner,
-    refuse_unswappable,
-    remove_stale,
-)
-from .target import fsync_path as _fsync_path
+from .directory import DirectoryCommit, new_token, resolve
+from .target import OLD_TAG as OLD_TAG
+from .target import TMP_TAG as TMP_TAG
+from .target import cwd_inside
 
 log = logging.getLogger("streamload")
 
 PROBE = ".streamload-probe"
-
-_AT_FDCWD = -100
-_RENAME_EXCHANGE = 2
-# errno values that mean "this kernel / file system has no exchange": take the fallback.
-_NO_EXCHANGE = {errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP, errno.ENOTSUP}
 
 
 def _group_rank(group: dist.ProcessGroup | None) -> int:
@@ -115,54 +92,6 @@ def _describe(exc: BaseException) -> tuple[str, str | None, int | None]:
     return reason, getattr(exc, "hint", None), getattr(exc, "rank", None)
 
 
-def rename_exchange(src: str | os.PathLike, dst: str | os.PathLike) -> bool:
-    """Atomically swaps ``src`` and ``dst`` (both must exist) with Linux ``renameat2``.
-
-    Returns:
-        True when swapped; False when this system cannot exchange (no ``renameat2``
-        in libc, or the kernel / file system refuses the flag). Any other failure
-        raises ``OSError``.
-    """
-    name = ctypes.util.find_library("c")
-    try:
-        libc = ctypes.CDLL(name, use_errno=True)
-        fn = libc.renameat2
-    except (OSError, AttributeError):
-        return False
-    fn.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
-    fn.restype = ctypes.c_int
-    if fn(_AT_FDCWD, os.fsencode(src), _AT_FDCWD, os.fsencode(dst), _RENAME_EXCHANGE) == 0:
-        return True
-    err = ctypes.get_errno()
-    if err in _NO_EXCHANGE:
-        return False
-    raise OSError(err, os.strerror(err), os.fspath(src), None, os.fspath(dst))
-
-
-def _fsync_tree(root: Path) -> None:
-    """fsyncs every regular file under ``root``, then each directory (deepest first)."""
-    dirs = []
-    for here, _sub, files in os.walk(root):
-        dirs.append(Path(here))
-        for f in files:
-            p = Path(here) / f
-            if p.is_file() and not p.is_symlink():
-                _fsync_path(p)
-    for d in reversed(dirs):
-        _fsync_path(d)
-
-
-def _remove(path: Path) -> None:
-    """Removes ``path`` (a directory tree or a file) if it exists; errors are logged, not raised."""
-    try:
-        if path.is_dir() and not path.is_symlink():
-            shutil.rmtree(path)
-        elif path.exists() or path.is_symlink():
-            path.unlink()
-    except OSError as exc:
-        log.warning("streamload: could not remove %s: %s", path, exc)
-
-
 class Output:
     """One save's temporary directory and the files in it; made by ``open_output``.
 
@@ -172,13 +101,15 @@ class Output:
         group: the save's process group (None: one process).
         rank: this process's group rank; group rank 0 creates, commits and cleans up.
         global_rank: this process's global rank (named in errors).
+        directory: the directory commit group rank 0 runs.
     """
 
     def __init__(
-        self, out_dir: Path, tmp_dir: Path, group: dist.ProcessGroup | None, device: torch.device
+        self, directory: DirectoryCommit, group: dist.ProcessGroup | None, device: torch.device
     ) -> None:
-        self.out_dir = out_dir
-        self.tmp_dir = tmp_dir
+        self.directory = directory
+        self.out_dir = directory.target
+        self.tmp_dir = directory.tmp
         self.group = group
         self.device = device
         self.rank = _group_rank(group)
@@ -186,10 +117,9 @@ class Output:
         self.fds: dict[str, int] = {}
         self.finished = False
         self.interrupted: KeyboardInterrupt | None = None  # a deferred Ctrl-C this rank agreed on
-        self.swapped = False  # the new checkpoint is at out_dir (set by _commit on group rank 0)
         # This process's working directory when it lies in the target: the swap replaces that
         # directory, so the process re-enters the same path, in the new one, after the commit.
-        self.cwd = cwd_inside(out_dir)
+        self.cwd = cwd_inside(directory.target)
 
     # -- agreement ------------------------------------------------------------------
 
@@ -333,69 +263,25 @@ class Output:
         self.fds.clear()
         return first
 
-    def _carry(self) -> None:
-        """Carries into the temporary directory every entry of the existing target that the new
-        save does not write and that is not an old weight file (``old_weight_file``), so the
-        swap keeps them."""
-        target = self.out_dir
-        if not target.is_dir() or target.is_symlink():
-            return
-        with os.scandir(target) as entries:
-            names = sorted(e.name for e in entries)
-        for name in names:
-            dst = self.tmp_dir / name
-            if old_weight_file(name) or os.path.lexists(dst):
-                continue
-            carry_entry(target / name, dst)
+    @property
+    def swapped(self) -> bool:
+        """Whether the new checkpoint is at ``out_dir`` (set by ``_commit`` on group rank 0)."""
+        return self.directory.swapped
 
     def _commit(self) -> None:
-        """On group rank 0: makes the temporary directory durable and renames it into place.
-
-        Sets ``self.swapped`` once the new checkpoint is at the target; from then on nothing
-        raises (the save is committed) and the temporary path is only removed as the old copy.
-        """
-        target = self.out_dir
-        if target.exists() and not (target.is_dir() and not target.is_symlink()):
-            raise NotADirectoryError(
-                errno.ENOTDIR, "the save target exists and is not a directory", str(target)
-            )
-        self._carry()
-        copy_dir_attrs(target if target.is_dir() else None, self.tmp_dir)
-        _fsync_tree(self.tmp_dir)
-        old: Path | None = None
-        if not target.exists() and not target.is_symlink():
-            os.rename(self.tmp_dir, target)
-        elif rename_exchange(self.tmp_dir, target):
-            old = self.tmp_dir  # after the exchange the old checkpoint sits at the temporary path
-        else:
-            # No atomic exchange here: rename the old target aside first. A crash between the
-            # two renames leaves the old checkpoint under the aside name, never a mix.
-            token = self.tmp_dir.name[len(f".{target.name}{TMP_TAG}") :].split("-")[0]
-            old = target.parent / f".{target.name}{OLD_TAG}{token}"
-            os.rename(target, old)
-            try:
-                os.rename(self.tmp_dir, target)
-            except BaseException:
-                os.rename(old, target)
-                raise
-        self.swapped = True
-        try:
-            _fsync_path(target.parent)
-        except OSError as exc:
-            # The rename happened: the new checkpoint is in place, only its durability across a
-            # crash is unconfirmed. Failing here would report a committed save as not made.
-            log.warning("streamload: saved %s, but could not fsync %s: %s", target, target.parent, exc)
-        if old is not None:
-            _remove(old)
+        """On group rank 0: carries the kept entries over, makes the temporary directory durable
+        and swaps it into place (``DirectoryCommit.commit``); nothing raises once ``swapped``."""
+        self.directory.commit()
 
     def finish(self, ok: bool = True, error: BaseException | None = None) -> None:
         """Collective: commits the save, or removes it; every rank calls it exactly once.
 
         Every rank fsyncs and closes its descriptors; the ranks then agree whether all writes
-        succeeded. If so, group rank 0 carries the existing target's other files over (all but
-        its old weight files), fsyncs the files and the directory and renames the temporary
-        directory into place (an existing target swapped atomically, the old one removed). Otherwise (or if the commit fails) the temporary directory is removed and
-        every rank raises the same ``SaveError``.
+        succeeded. If so, group rank 0 commits the directory (``DirectoryCommit.commit``: the
+        existing target's other entries carried over, all but its old weight files; fsynced;
+        swapped into place atomically; the replaced directory settled). Otherwise (or if the
+        commit fails) the temporary directory is removed and every rank raises the same
+        ``SaveError``.
 
         Args:
             ok: False when this rank's writes failed.
@@ -415,13 +301,13 @@ class Output:
         if local is not None and lost_peer(local):
             # A peer is gone: no agreement can complete. Every survivor removes the save's own
             # temporary directory (a random name this save made) and the meeting names the lost rank.
-            shutil.rmtree(self.tmp_dir, ignore_errors=True)
+            self.directory.discard()
             raise local
         try:
             self._finish(local)
         except BaseException as exc:
             if lost_peer(exc) and not self.swapped:  # lost inside one of the agreements below
-                shutil.rmtree(self.tmp_dir, ignore_errors=True)
+                self.directory.discard()
             raise
         finally:
             self._reenter_cwd()
@@ -449,13 +335,14 @@ class Output:
                 except BaseException as exc:  # noqa: BLE001 - agreed below
                     if self.swapped:
                         # Past the rename the save is committed: never remove the temporary
-                        # path here (it may hold the old checkpoint, _commit's to remove).
+                        # path here (it may hold the old checkpoint, the commit's to settle).
                         log.warning("streamload: saved %s; after the rename: %r", self.out_dir, exc)
                         late = exc
                     else:
                         committed = exc
-                        _remove(self.tmp_dir)
-            self.agree(committed, interruptible=False)  # the rename may have happened: never "not saved" for a Ctrl-C
+                        self.directory.discard()
+            # The rename may have happened: never "not saved" for a Ctrl-C.
+            self.agree(committed, interruptible=False)
             if late is not None and not isinstance(late, Exception):
                 raise late  # an interrupt stays an interrupt, after the other ranks heard "saved"
         except SaveError:
@@ -468,7 +355,7 @@ class Output:
     def _discard(self) -> None:
         """Collective: group rank 0 removes the temporary directory; every rank waits for it."""
         if self.rank == 0:
-            _remove(self.tmp_dir)
+            self.directory.discard()
         if self.group is not None and dist.get_world_size(self.group) > 1:
             all_gather_object(None, self.group, self.device)
 
@@ -510,32 +397,23 @@ def open_output(
     if group is None and dist.is_available() and dist.is_initialized():
         group = dist.group.WORLD
     wire = device if device is not None else _wire_device(group)
-    # As the kernel resolves it: a symlink to a directory is saved through (its destination is
-    # replaced, the link kept), and ``..`` after a symlink goes up from the link's destination.
-    target = Path(os.path.realpath(os.fspath(out_dir)))
-    token = f"{secrets.token_hex(8)}-{owner()}" if _group_rank(group) == 0 else None
+    target = resolve(out_dir)  # as the kernel resolves it: through symlinks
+    token = new_token() if _group_rank(group) == 0 else None
     if group is not None and dist.get_world_size(group) > 1:
         token = broadcast_object(token, dist.get_global_rank(group, 0), group, wire)
-    tmp = target.parent / f".{target.name}{TMP_TAG}{token}"
-    out = Output(target, tmp, group, wire)
+    assert token is not None
+    out = Output(DirectoryCommit(target, token), group, wire)
     local: BaseException | None = None
     if out.rank == 0:
         try:
-            if target.exists() and not target.is_dir():
-                raise NotADirectoryError(
-                    errno.ENOTDIR, "the save target exists and is not a directory", str(target)
-                )
-            refuse_unswappable(target)
-            make_parents(target.parent)
-            remove_stale(target)
-            tmp.mkdir(mode=0o700)  # private while the save runs; the target's mode at the commit
+            out.directory.prepare()
         except BaseException as exc:  # noqa: BLE001 - agreed below
             local = exc
     try:
         out.agree(local)
     except SaveError:
         out.finished = True
-        if out.rank == 0 and tmp.exists():
-            _remove(tmp)
+        if out.rank == 0:
+            out.directory.discard()
         raise
     return out

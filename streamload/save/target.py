@@ -1,8 +1,7 @@
 """The save's target directory: what a save keeps of it, what it refuses, what it cleans up.
 
 - Kept: every entry but the old weights in transformers' names (``old_weight_file``), carried into
-  the new directory by hard links (``carry_entry``); the directory's mode, owner and ACLs
-  (``copy_dir_attrs``).
+  the new directory (``directory.carry``); the directory's mode, owner and ACLs (``copy_dir_attrs``).
 - Refused before any write: a target that is or holds a mount point (``refuse_unswappable``).
 - Cleaned up: temporary directories of earlier saves whose process is gone (``remove_stale``),
   named after their owner (``owner``).
@@ -46,25 +45,6 @@ _OLD_WEIGHTS = re.compile(r"model(-\d{5}-of-\d{5})?\.safetensors|model\.safetens
 def old_weight_file(name: str) -> bool:
     """Whether ``name`` is a weight file of the checkpoint a save replaces (not carried over)."""
     return _OLD_WEIGHTS.fullmatch(name) is not None
-
-
-def link_or_copy(src: str, dst: str) -> str:
-    """Hard-links ``src`` at ``dst``; copies it where linking fails (another device, not permitted)."""
-    try:
-        os.link(src, dst, follow_symlinks=False)
-    except OSError:
-        shutil.copy2(src, dst, follow_symlinks=False)  # raises what a copy cannot do either (space)
-    return dst
-
-
-def carry_entry(src: Path, dst: Path) -> None:
-    """Puts ``src`` (a file, a symlink or a directory tree) at ``dst`` by hard links."""
-    if src.is_symlink():
-        os.symlink(os.readlink(src), dst)
-    elif src.is_dir():
-        shutil.copytree(src, dst, symlinks=True, copy_function=link_or_copy)
-    else:
-        link_or_copy(str(src), str(dst))
 
 
 def cwd_inside(target: Path) -> str | None:
@@ -134,22 +114,51 @@ def make_parents(parent: Path) -> None:
         fsync_path(d.parent)
 
 
+MOUNTINFO = "/proc/self/mountinfo"
+
+
+def mounts_under(target: Path) -> list[Path]:
+    """The mount points strictly below ``target``, at any depth (Linux; none where unknown)."""
+    try:
+        with open(MOUNTINFO) as f:
+            lines = f.readlines()
+    except OSError:
+        return []
+    prefix = str(target).rstrip(os.sep) + os.sep
+    points = []
+    for line in lines:
+        fields = line.split()
+        if len(fields) > 4:  # the fifth field; space, tab, newline, backslash as octal escapes
+            point = re.sub(r"\\([0-7]{3})", lambda m: chr(int(m[1], 8)), fields[4])
+            if point.startswith(prefix):
+                points.append(Path(point))
+    return points
+
+
+def mount_refusal(target: Path, mounts: list[Path]) -> SaveError:
+    """The error for a target that is or holds the mount points ``mounts``."""
+    return SaveError(
+        f"the save target is or holds a mount point ({', '.join(map(str, mounts[:3]))}): a save replaces "
+        "its target directory as a whole, which would empty or fail on a mounted file system",
+        file=str(target),
+        hint="save into a directory of its own (a subdirectory of the mount, or beside it)",
+    )
+
+
 def refuse_unswappable(target: Path) -> None:
     """Raises before anything is written when the commit's directory swap would destroy or fail:
-    the target is a mount point (the rename fails with EBUSY), or holds one (its files would be
-    copied, then the mounted file system emptied with the old directory)."""
+    the target is a mount point (the rename fails with EBUSY), or holds one at any depth (its files
+    would be copied into the new directory and removed from the volume)."""
     if not target.is_dir():
         return
     mounts = [target] if os.path.ismount(target) else []
     with os.scandir(target) as entries:
-        mounts += [Path(e.path) for e in entries if e.is_dir(follow_symlinks=False) and os.path.ismount(e.path)]
+        mounts += [
+            Path(e.path) for e in entries if e.is_dir(follow_symlinks=False) and os.path.ismount(e.path)
+        ]
+    mounts += [m for m in mounts_under(target) if m not in mounts]
     if mounts:
-        raise SaveError(
-            f"the save target is or holds a mount point ({', '.join(map(str, mounts[:3]))}): a save replaces "
-            "its target directory as a whole, which would empty or fail on a mounted file system",
-            file=str(target),
-            hint="save into a directory of its own (a subdirectory of the mount, or beside it)",
-        )
+        raise mount_refusal(target, mounts)
 
 
 def _umask() -> int:

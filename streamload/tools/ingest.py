@@ -5,8 +5,10 @@ Every output file's header is computed first; the data section is then
 filled through a writable shared mapping of the output file, straight from
 the mapped sources by the native copy engine. Nothing anonymous scales with
 the checkpoint. Files go to a temporary sibling directory that is renamed to
-DST only when everything is written and synced: an interrupted run never
-leaves a checkpoint that looks complete.
+DST only when everything is written and synced, by the directory commit a
+save uses (``save.directory``): an interrupted run never leaves a checkpoint
+that looks complete, and an existing DST, even one that appears while the
+ingest runs, is never replaced.
 """
 
 from __future__ import annotations
@@ -16,7 +18,6 @@ import mmap
 import os
 import shutil
 import struct
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -32,7 +33,7 @@ from ..plan.buckets import ALIGN, Target, validate_shapes
 from ..plan.convert import FallbackSources, plan_conversions
 from ..plan.keys import match_keys
 from ..plan.quant import QuantTensor, quantized_view, scheme_from_config
-from ..save.target import fsync_path
+from ..save.directory import DirectoryCommit, new_token, resolve
 from ..transport.pack import add_box_ops
 
 
@@ -117,7 +118,8 @@ def ingest(
 
     Args:
         src: checkpoint directory (config.json + safetensors).
-        dst: output directory; must not exist.
+        dst: output directory; must not exist (resolved through symlinks; missing parents are
+            made). Written into ``.<name>.streamload-tmp-<id>`` beside it, renamed at the end.
         dtype: cast floating tensors to this dtype (default: keep).
         max_shard_size: largest output file, e.g. "5GB".
         threads: native copy threads.
@@ -125,11 +127,14 @@ def ingest(
     Returns:
         An IngestReport.
 
+    Raises:
+        CheckpointError: ``dst`` exists, or appeared while the ingest ran (it is never replaced).
+
     Example:
         >>> streamload.tools.ingest.ingest("qwen3-moe-hub", "qwen3-moe-fused", dtype=torch.bfloat16)
     """
-    src_p, dst_p = Path(src), Path(dst)
-    if dst_p.exists():
+    src_p, dst_p = Path(src), resolve(dst)  # as a save resolves its target: through symlinks
+    if os.path.lexists(dst_p):
         raise CheckpointError("destination exists; ingest never overwrites", str(dst_p))
     ckpt = Checkpoint(src_p, threads=threads)
     model = meta_model(src_p)
@@ -152,9 +157,10 @@ def ingest(
     layout = _layout(match.targets, out_dtypes, parse_size(max_shard_size))
     inputs = _Inputs(ckpt, FallbackSources(conversion, ckpt, model, quant), quant)
 
-    dst_p.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{dst_p.name}.partial-", dir=dst_p.parent))
+    out = DirectoryCommit(dst_p, new_token(), replace=False)
     try:
+        out.prepare()
+        tmp = out.tmp
         weight_map: dict[str, str] = {}
         written = 0
         for i, entries in enumerate(layout):
@@ -172,11 +178,12 @@ def ingest(
             _set_config_dtype(tmp / "config.json", dtype)
         if quant:
             _drop_quantization_config(tmp / "config.json")
-        fsync_path(tmp)
-        os.rename(tmp, dst_p)
-        fsync_path(dst_p.parent)
+        out.commit()  # fsynced, then renamed into place unless DST appeared meanwhile
+    except FileExistsError as exc:
+        out.discard()
+        raise CheckpointError("destination exists; ingest never overwrites", str(dst_p)) from exc
     except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+        out.discard()
         raise
     return IngestReport(len(layout), len(match.targets), written, len(match.converted), match.unexpected)
 
