@@ -13,12 +13,18 @@ the endpoint sees (``Expect``, which SigV4 never signs, is answered by the proxy
 * ``"reset"``: the connection is closed with a TCP reset, nothing answered;
 * ``"delay:SECONDS"``: the request waits, then is forwarded;
 * ``"truncate"``: the endpoint's status, headers and the first half of its body, then the
-  connection closes (the client sees fewer bytes than ``Content-Length``).
+  connection closes (the client sees fewer bytes than ``Content-Length``);
+* ``"slow:BYTES_PER_SECOND"``: the endpoint's answer, its body sent at that rate on this
+  connection (a piece every ``_TICK_S`` seconds: bytes keep flowing, the whole body takes
+  its size over the rate);
+* ``"stall"``: the endpoint's status, headers and the first half of its body, then nothing more
+  while the connection stays open (until the client closes it or the proxy stops).
 """
 
 from __future__ import annotations
 
 import http.client
+import select
 import socket
 import struct
 import threading
@@ -31,6 +37,7 @@ from urllib.parse import urlsplit
 __all__ = ["FaultProxy"]
 
 _CHUNK = 1 << 20
+_TICK_S = 0.05  # a slow body's pieces are this far apart
 # Headers that describe one hop, not the message: never forwarded as they came.
 _HOP_BY_HOP = {"connection", "keep-alive", "proxy-connection", "te", "trailer", "upgrade", "expect"}
 _ERROR_CODES = {
@@ -55,14 +62,19 @@ class _Fault:
 
 def _check_kind(kind: str) -> None:
     """Refuse a fault kind the proxy cannot inject (at ``fail()``, not at the request)."""
-    if kind in ("reset", "truncate"):
+    if kind in ("reset", "truncate", "stall"):
         return
     if kind.startswith("delay:"):
         float(kind.split(":", 1)[1])
         return
+    if kind.startswith("slow:") and float(kind.split(":", 1)[1]) > 0:
+        return
     if kind.isdigit() and 400 <= int(kind) <= 599:
         return
-    raise ValueError(f"unknown fault kind {kind!r}: a 4xx/5xx code, 'reset', 'delay:SECONDS' or 'truncate'")
+    raise ValueError(
+        f"unknown fault kind {kind!r}: a 4xx/5xx code, 'reset', 'delay:SECONDS', 'truncate', "
+        "'slow:BYTES_PER_SECOND' or 'stall'"
+    )
 
 
 def _error_body(status: int, path: str) -> bytes:
@@ -105,20 +117,31 @@ class _Handler(BaseHTTPRequestHandler):
     do_HEAD = do_PUT = do_POST = do_DELETE = do_PATCH = do_OPTIONS = do_GET
 
     def _handle(self) -> None:
+        try:
+            self._dispatch()
+        except (BrokenPipeError, ConnectionResetError):
+            # The client gave up mid-answer (its own timeout, a cancelled request): not the
+            # proxy's failure, and the upstream answer is left half read.
+            self._drop_upstream()
+            self.close_connection = True
+
+    def _dispatch(self) -> None:
         owner = self.server.owner
         body = self._read_body()
         fault = owner._next_fault(self.command, self.path)
         if fault is None:
-            self._forward(body, truncate=False, record=True)
+            self._forward(body, record=True)
             return
         owner._record(self.command, self.path, fault.kind)
         if fault.kind == "reset":
             self._reset()
-        elif fault.kind == "truncate":
-            self._forward(body, truncate=True, record=False)
+        elif fault.kind in ("truncate", "stall"):
+            self._forward(body, cut=fault.kind)
+        elif fault.kind.startswith("slow:"):
+            self._forward(body, rate=float(fault.kind.split(":", 1)[1]))
         elif fault.kind.startswith("delay:"):
             time.sleep(float(fault.kind.split(":", 1)[1]))
-            self._forward(body, truncate=False, record=False)
+            self._forward(body)
         else:
             self._answer_error(int(fault.kind))
 
@@ -171,11 +194,13 @@ class _Handler(BaseHTTPRequestHandler):
                     raise
         raise AssertionError("unreachable")
 
-    def _forward(self, body: bytes, truncate: bool, record: bool) -> None:
+    def _forward(self, body: bytes, record: bool = False, cut: str = "", rate: float = 0.0) -> None:
         """Forward the request and stream the answer back.
 
         With ``record``, the endpoint's status goes to the proxy's log before the client can
         see the answer (a client that reads the log after its response finds its request).
+        ``cut`` (``"truncate"``, ``"stall"``): only the first half of the body is sent, then the
+        connection closes or hangs; ``rate``: the body goes at that many bytes per second.
         """
         try:
             response = self._send_upstream(body)
@@ -195,26 +220,33 @@ class _Handler(BaseHTTPRequestHandler):
                 self.send_header(name, value)
         if chunked:
             self.send_header("Transfer-Encoding", "chunked")
-        if truncate:
+        if cut:
             self.send_header("Connection", "close")
         self.end_headers()
         if self.command == "HEAD" or response.status in (204, 304):
             response.read()
-        elif truncate:
+        elif cut:
             self._copy_half(response, int(length_header) if length_header else None)
             self._drop_upstream()
             self.close_connection = True
+            if cut == "stall":
+                self._hang()
         else:
-            self._copy(response, chunked)
+            self._copy(response, chunked, rate)
         if response.will_close:
             self._drop_upstream()
 
-    def _copy(self, response: http.client.HTTPResponse, chunked: bool) -> None:
-        while block := response.read(_CHUNK):
+    def _copy(self, response: http.client.HTTPResponse, chunked: bool, rate: float = 0.0) -> None:
+        """The body as it comes; at ``rate`` bytes per second when given (a piece per tick)."""
+        piece = max(1, int(rate * _TICK_S)) if rate else _CHUNK
+        while block := response.read(piece):
+            if rate:
+                time.sleep(_TICK_S)
             if chunked:
                 self.wfile.write(b"%x\r\n%s\r\n" % (len(block), block))
             else:
                 self.wfile.write(block)
+            self.wfile.flush()
         if chunked:
             self.wfile.write(b"0\r\n\r\n")
 
@@ -228,6 +260,16 @@ class _Handler(BaseHTTPRequestHandler):
         while left > 0 and (block := response.read(min(_CHUNK, left))):
             self.wfile.write(block)
             left -= len(block)
+
+    def _hang(self) -> None:
+        """Hold the connection open, sending nothing, until the client closes it or the proxy stops."""
+        while not self.server.owner._stopping.is_set():
+            ready, _, _ = select.select([self.connection], [], [], _TICK_S)
+            try:
+                if ready and not self.connection.recv(1 << 16):
+                    return
+            except OSError:
+                return
 
     def _answer_error(self, status: int) -> None:
         payload = _error_body(status, self.path)
@@ -276,6 +318,7 @@ class FaultProxy:
         self._injected = 0
         self._log: list[tuple[str, str, int | str]] = []
         self._clients: set[socket.socket] = set()
+        self._stopping = threading.Event()  # a stalled answer hangs until the proxy stops
         self._server = _Server(("127.0.0.1", 0), _Handler)
         self._server.owner = self
         self._thread = threading.Thread(
@@ -289,7 +332,8 @@ class FaultProxy:
         """Queue ``kind`` for the next ``times`` requests matching ``method`` and ``match``.
 
         Args:
-            kind: ``"500"``/``"503"`` (any 4xx/5xx), ``"reset"``, ``"delay:SECONDS"``, ``"truncate"``.
+            kind: ``"500"``/``"503"`` (any 4xx/5xx), ``"reset"``, ``"delay:SECONDS"``, ``"truncate"``,
+                ``"slow:BYTES_PER_SECOND"``, ``"stall"``.
             times: how many matching requests get the fault.
             match: a substring of the request's path and query ("" matches every path).
             method: the HTTP method it applies to ("" or "*": any).
@@ -363,6 +407,7 @@ class FaultProxy:
         if self._stopped:
             return
         self._stopped = True
+        self._stopping.set()
         self._server.shutdown()
         self._server.server_close()
         with self._lock:

@@ -1,5 +1,6 @@
-"""streamload.io.remote in one process: URLs, request planning, retry classification, and
-checkpoints in a loopback S3 endpoint read as local ones are (table, reads, bad files)."""
+"""streamload.io.remote and its stages (remote_store, remote_fetch) in one process: URLs, request
+planning, retry classification, timeouts, and checkpoints in a loopback S3 endpoint read as local
+ones are (table, reads, bad files)."""
 
 from __future__ import annotations
 
@@ -19,12 +20,12 @@ from streamload.io.remote import (
     PIECE_BYTES,
     RemoteCheckpoint,
     RemotePath,
-    _retryable,
     as_remote,
     is_remote,
     make_store,
     plan_requests,
 )
+from streamload.io.remote_fetch import _retryable
 
 pytest.importorskip("obstore")
 pytest.importorskip("moto")
@@ -187,7 +188,7 @@ def test_index_and_listing(s3: LocalS3, tmp_path: Path) -> None:
 
 def test_aws_profile(s3: LocalS3, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Credentials from a named profile of the shared files (obstore reads none itself)."""
-    from streamload.io.remote import RemoteError, _profile_credentials
+    from streamload.io.remote_store import RemoteError, _profile_credentials
 
     save_file(_tensors(), str(tmp_path / "model.safetensors"))
     url = s3.upload_dir(tmp_path, BUCKET, "profiled")
@@ -281,9 +282,87 @@ def test_repr_masks_secrets() -> None:
 
 def test_access_denied_is_told_by_the_status_not_the_key() -> None:
     """A 503 on a key that contains 403 is a store failure; a 403 response is access denied."""
-    from streamload.io.remote import _named
+    from streamload.io.remote_fetch import _named
 
     busy = _named(RuntimeError("request to s3://b/ckpt-403/x failed, status code: 503 Unavailable"), "u", "GET", 8)
     assert "access denied" not in str(busy) and "after 8 attempt" in str(busy)
     denied = _named(RuntimeError("Generic S3 error: status code: 403 Forbidden"), "u", "GET", 1)
     assert "access denied" in str(denied) and "credentials" in str(denied)
+
+
+def test_timeout_bounds_the_wait_for_bytes_not_the_body() -> None:
+    """``storage_options["timeout"]`` goes to obstore as its ``read_timeout`` (first byte, then each
+    next read); obstore's whole-request ``timeout`` is only the 1 h ceiling."""
+    from streamload.io.remote_store import REQUEST_CEILING, client_options
+
+    assert client_options({}) == {"read_timeout": "30s", "timeout": REQUEST_CEILING, "connect_timeout": "10s"}
+    got = client_options({"timeout": "5s", "connect_timeout": "2s", "allow_http": True, "region": "r"})
+    assert got == {"read_timeout": "5s", "timeout": REQUEST_CEILING, "connect_timeout": "2s", "allow_http": True}
+    assert as_remote("s3://b/p", {"timeout": "5s"}).timeout == "5s" and as_remote("s3://b/p").timeout == "30s"
+
+
+def _slow_link_checkpoint(s3: LocalS3, tmp_path: Path, prefix: str) -> tuple[str, torch.Tensor]:
+    """One 256 KiB tensor: a body that takes seconds at the proxy's slow rates."""
+    w = torch.arange(64 << 10, dtype=torch.float32)
+    save_file({"w": w}, str(tmp_path / "model.safetensors"))
+    return _upload_bytes(s3, prefix, (tmp_path / "model.safetensors").read_bytes()), w
+
+
+def test_slow_body_is_not_a_timeout(s3: LocalS3, tmp_path: Path) -> None:
+    """``timeout`` bounds the wait for bytes, not the whole body: every GET of the object is sent
+    at 100 kB/s (its data request, 256 KiB, takes 2.6 s, its header one 0.2 s) under a 1 s
+    ``timeout``; the bytes keep flowing, so the read succeeds, exact and with no retry. Before,
+    ``timeout`` bounded each request's whole body: every attempt timed out, and the read failed
+    ("failed after 3 attempt(s)") though the link was healthy, only slow."""
+    import time
+
+    from s3_proxy import FaultProxy
+
+    url, w = _slow_link_checkpoint(s3, tmp_path, "slow_body")
+    with FaultProxy(s3.url) as proxy:
+        proxy.fail("slow:100000", times=100, match="slow_body/model.safetensors")
+        options = {**s3.storage_options, "endpoint": proxy.url, "timeout": "1s", "retries": 2}
+        t0 = time.monotonic()
+        ckpt = RemoteCheckpoint(as_remote(url, options))
+        got = ckpt.read("w")
+        took = time.monotonic() - t0
+    assert torch.equal(got, w)
+    slow = [path for _, path, kind in proxy.log if str(kind).startswith("slow")]
+    assert slow.count(f"/{BUCKET}/slow_body/model.safetensors") == 2, proxy.log  # header and data
+    assert ckpt.fetched.retries == 0 and 2.0 < took < 10, (ckpt.fetched, took)
+
+
+def test_stalled_body_is_a_named_timeout(s3: LocalS3, tmp_path: Path) -> None:
+    """An answer that sends half its body and then nothing (the connection kept open) fails its
+    attempt once no byte came for ``timeout``; retried, it ends as ``RemoteTimeoutError`` naming
+    the object, the range and the timeout, in bounded time: here 1 s per attempt, 2 attempts."""
+    import time
+
+    from s3_proxy import FaultProxy
+
+    from streamload.io.remote import RemoteError, RemoteTimeoutError
+
+    url, _ = _slow_link_checkpoint(s3, tmp_path, "stalled_body")
+    with FaultProxy(s3.url) as proxy:
+        options = {**s3.storage_options, "endpoint": proxy.url, "timeout": "1s", "retries": 1}
+        ckpt = RemoteCheckpoint(as_remote(url, options))
+        proxy.fail("stall", times=100, match="stalled_body/model.safetensors")
+        t0 = time.monotonic()
+        with pytest.raises(RemoteTimeoutError, match=r"after 2 attempt\(s\).*no byte for 1s") as info:
+            ckpt.read("w")
+        took = time.monotonic() - t0
+    assert isinstance(info.value, RemoteError) and "stalled_body/model.safetensors" in str(info.value)
+    assert proxy.faults == 2 and 2.0 <= took < 6, (proxy.log, took)
+
+
+def test_timeouts_are_told_by_the_transport_not_the_key() -> None:
+    """A timeout (no status answered) is a RemoteTimeoutError naming the wait; an answered 503 on
+    a key that happens to hold the word is a store failure."""
+    from streamload.io.remote_fetch import _named
+    from streamload.io.remote_store import RemoteTimeoutError
+
+    cut = RuntimeError("Generic S3 error: HTTP error: request or response body error\n  kind: Timeout,\n")
+    err = _named(cut, "u", "GET bytes 0-9", 3, "5s")
+    assert isinstance(err, RemoteTimeoutError) and "no byte for 5s" in str(err), err
+    busy = RuntimeError("GET s3://b/TimedOut/x failed, status code: 503 Unavailable (kind: Timeout)")
+    assert not isinstance(_named(busy, "u", "GET", 8), RemoteTimeoutError)
