@@ -139,13 +139,14 @@ class Output:
             waiting = isinstance(local, RemoteRankError)
             reason, hint, named = _describe(local)
             rank = named if isinstance(named, int) else self.global_rank
-            mine = (waiting, rank, reason, hint, _hint(local, self.out_dir.parent))
+            tensor = getattr(local, "tensor", None)  # the tensor a SaveError names (tiling, plan)
+            mine = (waiting, rank, reason, hint, _hint(local, self.out_dir.parent), tensor)
         gathered = all_gather_object(mine, self.group, self.device)
         failed = sorted((g for g in gathered if g is not None), key=lambda g: (g[0], g[1]))
         if not failed:
             return
-        _waiting, rank, reason, hint, guess = failed[0]
-        err = SaveError(reason, file=str(self.out_dir), rank=rank, hint=hint or guess)
+        _waiting, rank, reason, hint, guess, tensor = failed[0]
+        err = SaveError(reason, file=str(self.out_dir), rank=rank, hint=hint or guess, tensor=tensor)
         if local is not None and mine == failed[0]:
             raise err from local
         raise err
