@@ -1,6 +1,8 @@
 from __future__ import annotations
 
 import os
+import subprocess
+from pathlib import Path
 
 import pytest
 
@@ -45,3 +47,18 @@ def group2():
 def group4():
     """A 4-rank gloo group started once per test module."""
     yield from _group(4)
+
+
+@pytest.fixture(scope="module")
+def tiny_fs(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A 64 KiB tmpfs, where this process may mount one (root in a container that allows it)."""
+    where = tmp_path_factory.mktemp("tiny")
+    proc = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(where)], capture_output=True
+    )
+    if proc.returncode != 0:
+        pytest.skip(
+            f"cannot mount a tmpfs here ({proc.stderr.decode().strip()}): disk full is tested by injection"
+        )
+    yield where
+    subprocess.run(["umount", str(where)], check=False)
