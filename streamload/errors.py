@@ -130,7 +130,9 @@ class KeyMismatchError(ModelMismatchError):
 class PlacementError(ModelMismatchError):
     """A parameter's DTensor placements cannot be filled exactly (Partial, an
     unknown placement type, a non-default shard order, or specs that differ
-    between ranks); raised on every rank before the first weight byte."""
+    between ranks), or the model's device cannot travel on the load's group (a
+    CPU model over part of an NCCL world); raised on every rank before the first
+    weight byte."""
 
 
 class TieError(StreamloadError):

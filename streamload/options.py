@@ -8,6 +8,7 @@ apply; a keyword passed explicitly wins over the environment.
 
 from __future__ import annotations
 
+import functools
 import os
 
 # Keyword -> the variable that overrides it when the keyword is not given.
@@ -65,3 +66,29 @@ def env_text(keyword: str, value: str | None) -> str | None:
         return value
     raw = os.environ.get(ENV_OVERRIDES[keyword], "").strip()
     return raw or None
+
+
+# Not a keyword override but a switch for the device check (docs/options.md, "Test hooks"): a
+# group of one rank takes the paths of many (the transport's all_to_all and its waits, the side
+# group, the object gathers, node mode, the save's src writer), so that one GPU runs streamload's
+# NCCL code. NCCL refuses two ranks on one device: without this a one-GPU check runs none of it.
+FORCE_MULTI_RANK = "STREAMLOAD_FORCE_MULTI_RANK"
+
+
+@functools.cache
+def force_multi_rank() -> bool:
+    """Whether ``STREAMLOAD_FORCE_MULTI_RANK`` is on; read once per process (``cache_clear`` to
+    read it again, as tests do).
+
+    Raises:
+        ValueError: the variable holds something other than a boolean.
+
+    Example:
+        >>> force_multi_rank()  # STREAMLOAD_FORCE_MULTI_RANK=1 -> True; unset -> False
+    """
+    raw = os.environ.get(FORCE_MULTI_RANK, "").strip().lower()
+    if raw in _TRUE:
+        return True
+    if raw in ("", *_FALSE):
+        return False
+    raise ValueError(f"{FORCE_MULTI_RANK}={os.environ[FORCE_MULTI_RANK]!r}: expected 0 or 1")

@@ -210,6 +210,61 @@ def test_fsdp2_cpu_offload_returns_finished_copies(mesh, ckpts) -> None:
         assert torch.equal(got[name], bit_view(want)), name
 
 
+@pytest.mark.parametrize("writers", ["owners", "src"])
+def test_save_round_trip_on_the_gpu(mesh, ckpts, tmp_path: Path, writers: str) -> None:
+    """fp32 masters on the GPU saved in the checkpoint's bf16: transformers' files, byte for byte
+    (the checkpoint is transformers' own save), read back by transformers as the same model."""
+    from safetensors.torch import load_file
+
+    import streamload
+    from streamload.io.copy_ops import bit_view
+
+    ckpt = ckpts["moe"]
+    model = streamload.from_pretrained(ckpt, device_mesh=mesh, dtype=torch.float32, progress=False)
+    gc.collect()
+    before = (torch.cuda.memory_allocated(), _process_groups())
+    out = tmp_path / "out"
+    report = streamload.save_pretrained(
+        model, out, dtype=torch.bfloat16, writers=writers, max_shard_size="30KB", bucket_bytes=8192
+    )
+    assert report.writers == writers
+    names = sorted(p.name for p in Path(ckpt).iterdir() if "safetensors" in p.name)
+    assert names == sorted(p.name for p in out.iterdir() if "safetensors" in p.name)
+    for name in names:
+        if name.endswith(".safetensors"):
+            got, want = load_file(out / name), load_file(Path(ckpt) / name)
+            assert sorted(got) == sorted(want), name
+            for key, value in want.items():
+                assert torch.equal(bit_view(got[key]), bit_view(value)), (name, key)
+        assert (out / name).read_bytes() == (Path(ckpt) / name).read_bytes(), name
+    _assert_equal(_reference(str(out), torch.float32), _reference(ckpt, torch.float32))
+    # Nothing stays behind on the device, and the save's gloo twin (if any) is gone.
+    gc.collect()
+    assert torch.cuda.memory_allocated() <= before[0] and _process_groups() == before[1]
+
+
+def test_one_gpu_takes_the_multi_rank_paths(mesh, ckpts, tmp_path: Path) -> None:
+    """STREAMLOAD_FORCE_MULTI_RANK on one NCCL rank: every reader mode through NCCL's
+    all_to_all and the status flags on a gloo side group, both writers, bit-exact (the same
+    run as tests/test_world1_paths.py on one gloo rank)."""
+    from cases_world1 import forced, run_world1
+
+    before = _process_groups()
+    with forced():
+        res = run_world1(ckpts["moe"], str(tmp_path), mesh)
+    assert [r.split(":")[0] for r in res["reader"]] == ["src", "owners", "node"], res["reader"]
+    for mode in ("src", "owners", "node"):
+        calls = res[f"load:{mode}"]
+        assert calls.get("new_group:gloo") == 1, (mode, calls)  # the load's side group
+        assert calls.get("all_reduce", 0) >= 1 and calls.get("all_gather", 0) >= 4, (mode, calls)
+        assert mode == "owners" or calls.get("all_to_all_single", 0) > 3, (mode, calls)
+    for writers in ("owners", "src"):
+        calls = res[f"save:{writers}"]
+        assert calls.get("new_group:gloo") == 1 and calls.get("all_gather", 0) >= 4, (writers, calls)
+    assert res["save:src"].get("all_to_all_single", 0) > 0, res
+    assert _process_groups() == before
+
+
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
 def test_device_comes_from_the_model_not_current_device(mesh, ckpts, tmp_path: Path) -> None:
     from transformers import AutoConfig, AutoModelForCausalLM

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from dataclasses import fields
+from dataclasses import fields, replace
 from typing import Any
 
 import torch
@@ -12,10 +12,11 @@ import torch.distributed as dist
 from torch import nn
 
 from ..io.checkpoint import Checkpoint
-from ..model.placement import resolve_group
+from ..model.placement import resolve_device, resolve_group
 from ..report import LoadReport
 from ..timeline import PhaseClock, current, recording
 from ..transport.arrival import meeting
+from ..transport.protocol import close_route, open_wire_route
 from ..transport.readers import ReaderMode
 from ..transport.strategies import StreamResult
 from .finalize import finalize
@@ -181,20 +182,28 @@ def run_load(
         (top-level phases add up to ``seconds``).
     """
     clock = clock or PhaseClock()
+    # A CPU model over an NCCL-only group loads over a gloo twin of the group, made for this load.
+    group = resolve_group(options.process_group, options.device_mesh)
+    wire = open_wire_route(group, resolve_device(model, options.device_mesh, group))
+    if wire.owned:
+        options = replace(options, process_group=wire.group)
     with recording() as timeline:
         counted = current()  # this load's timeline, or a test's that every load records into
         before = dict(counted.counts)
-        prep = prepare(model, path, options, opened, clock)
-        strategy = prep.strategy
-        assert strategy is not None
-        result: StreamResult
         try:
-            result = strategy.run(prep)
-            clock.mark("stream")
+            prep = prepare(model, path, options, opened, clock)
+            strategy = prep.strategy
+            assert strategy is not None
+            result: StreamResult
+            try:
+                result = strategy.run(prep)
+                clock.mark("stream")
+            finally:
+                strategy.close()
+            clock.mark("close")
+            report = finalize(prep, result)
         finally:
-            strategy.close()
-        clock.mark("close")
-        report = finalize(prep, result)
+            close_route(wire, "the load's gloo group")
     report.phases.update(timeline.phases())  # the stream's steps: where its time went
     report.disk_bytes_read = counted.counts.get("disk_bytes", 0) - before.get("disk_bytes", 0)
     report.disk_reads = counted.counts.get("disk_reads", 0) - before.get("disk_reads", 0)

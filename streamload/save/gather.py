@@ -33,7 +33,7 @@ import torch.distributed as dist
 
 from ..errors import RemoteRankError
 from ..transport.arrival import wait_work
-from ..transport.collectives import all_gather_object
+from ..transport.collectives import all_gather_object, solo
 from .layout import Layout
 from .plan import SavePlan
 from .write import _ALIGN, WriteStats, _Packer, _pwrite_all, pack_all, write_owners
@@ -104,7 +104,7 @@ class _Exchange:
         empty = torch.empty(0, dtype=torch.uint8, device=self.device)
         send = empty if data is None or data.numel() == 0 else data.to(self.device)
         total = sum(sizes)
-        if self.group is None or self.world == 1:
+        if solo(self.group):
             return send.cpu() if self.rank == 0 else None
         if total == 0:
             return torch.empty(0, dtype=torch.uint8) if self.rank == 0 else None
@@ -166,7 +166,7 @@ def write_src(
         >>> stats = write_src(plan, layout, fds, 64 << 20, group)
     """
     world = dist.get_world_size(group) if group is not None else 1
-    if world == 1:
+    if solo(group):
         return write_owners(plan, layout, fds, bucket_bytes)
     stats = WriteStats()
     exchange = _Exchange(group, device or torch.device("cpu"), fds, stats)

@@ -34,7 +34,7 @@ import torch.distributed as dist
 from ..errors import SaveError
 from ..io.copy_ops import ITEMSIZE
 from ..plan.regions import Box, SourcePiece, box_numel, find_overlap
-from ..transport.collectives import all_gather_object
+from ..transport.collectives import all_gather_object, solo
 from .layout import Layout
 from .plan import Piece, SavePlan, local_of
 
@@ -72,7 +72,7 @@ def check_tiling(
     keys = sorted(layout.tensors)
     index = {k: i for i, k in enumerate(keys)}
     mine = [(index[p.key], tuple(p.src_start), p.hub_shape()) for p in plan.pieces]
-    single = group is None or dist.get_world_size(group) == 1
+    single = solo(group)
     gathered = (
         [(_files_digest(layout), mine)]
         if single
@@ -178,9 +178,7 @@ def _settle_copies(
         for region, piece in zip(mine, plan.pieces, strict=True)
         if region in copies
     }
-    gathered = (
-        [held] if group is None or dist.get_world_size(group) == 1 else all_gather_object(held, group, device)
-    )
+    gathered = [held] if solo(group) else all_gather_object(held, group, device)
     for region, ranks in sorted(copies.items()):
         values = {r: gathered[r][region] for r in ranks}
         if len(set(values.values())) > 1:

@@ -41,7 +41,7 @@ from typing import Any
 import torch.distributed as dist
 
 from ..errors import OptionMismatchError, RankAbsentError, RankLostError, StreamloadError
-from ..options import ENV_OVERRIDES
+from ..options import ENV_OVERRIDES, force_multi_rank
 from ..timeline import MARK_HOOKS
 
 DEFAULT_TIMEOUT = 300.0
@@ -152,7 +152,7 @@ def _group_ranks(group: Any) -> tuple[int, ...] | None:
     if group is None or not (dist.is_available() and dist.is_initialized()):
         return None
     ranks = tuple(dist.get_process_group_ranks(group))
-    return ranks if len(ranks) > 1 else None
+    return ranks if len(ranks) > 1 or force_multi_rank() else None
 
 
 @contextlib.contextmanager
@@ -163,7 +163,7 @@ def meeting(
     ``RankLostError`` and defers Ctrl-C inside the call.
 
     A call made inside another (``from_pretrained`` calling ``load_checkpoint``) is part of
-    the outer meeting. One process, or a group of one: nothing to meet.
+    the outer meeting. One process, or a group of one (unless ``STREAMLOAD_FORCE_MULTI_RANK``): nothing to meet.
 
     Args:
         step: the entry point (named in the errors).

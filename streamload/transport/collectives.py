@@ -10,8 +10,15 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ..options import force_multi_rank
 from ..plan.buckets import Bucket
 from .arrival import wait_work
+
+
+def solo(group: dist.ProcessGroup | None) -> bool:
+    """True when ``group`` needs no collective: None (no torch.distributed) or one rank, unless
+    ``STREAMLOAD_FORCE_MULTI_RANK`` makes a group of one take the paths of many (the device check)."""
+    return group is None or (dist.get_world_size(group) == 1 and not force_multi_rank())
 
 
 class Transport:
@@ -56,7 +63,7 @@ class Transport:
             recv: this rank's receive buffer, exactly its byte count long: a receiver's
                 plan knows its own bytes only, so its split is the buffer's length.
         """
-        if self.group is None or self.world == 1:
+        if solo(self.group):
             if send is not None:
                 recv.copy_(send[: recv.numel()])
             return None
@@ -83,21 +90,25 @@ class Transport:
 
 def broadcast_object(obj: Any, src: int, group: dist.ProcessGroup | None, device: torch.device) -> Any:
     """Sends a picklable object from ``src`` to every rank (one collective)."""
-    if group is None or dist.get_world_size(group) == 1:
+    if solo(group):
         return obj
     # Pickled by hand and waited for with ``wait_work`` (see ``all_gather_object``).
     mine = dist.get_rank() == src
     data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8) if mine else None
     size = torch.tensor([data.numel() if data is not None else 0], dtype=torch.int64, device=device)
     wait_work(dist.broadcast(size, src=src, group=group, async_op=True), device)
-    buf = data.to(device) if data is not None else torch.empty(int(size.item()), dtype=torch.uint8, device=device)
+    buf = (
+        data.to(device)
+        if data is not None
+        else torch.empty(int(size.item()), dtype=torch.uint8, device=device)
+    )
     wait_work(dist.broadcast(buf, src=src, group=group, async_op=True), device)
     return obj if mine else pickle.loads(buf.cpu().numpy().tobytes())
 
 
 def all_gather_object(obj: Any, group: dist.ProcessGroup | None, device: torch.device) -> list[Any]:
     """Every rank's ``obj``, in group rank order."""
-    if group is None or dist.get_world_size(group) == 1:
+    if solo(group):
         return [obj]
     out: list[Any] = [None] * dist.get_world_size(group)
     # Pickled by hand (all_gather_object on NCCL needs the current device set), and waited for

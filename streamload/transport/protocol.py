@@ -11,15 +11,16 @@ all ranks raise the failing rank's error (file, tensor and rank included).
 from __future__ import annotations
 
 import logging
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from ..errors import RemoteRankError, StreamloadError
+from ..errors import PlacementError, RemoteRankError, StreamloadError
 from .arrival import interrupt_pending, lost_peer, take_interrupt, wait_work
-from .collectives import all_gather_object
+from .collectives import all_gather_object, solo
 
 log = logging.getLogger("streamload")
 
@@ -81,7 +82,7 @@ class StatusCheck:
     def __init__(self, group: dist.ProcessGroup | None, device: torch.device) -> None:
         self.group = group
         self.device = device
-        self.single = group is None or dist.get_world_size(group) == 1
+        self.single = solo(group)
 
     def post(self, local_failed: bool) -> tuple[Any, torch.Tensor]:
         local_failed = local_failed or interrupt_pending()  # a deferred Ctrl-C stops every rank
@@ -108,8 +109,10 @@ def carries_cpu(group: dist.ProcessGroup | None) -> bool:
 
 
 def needs_side_group(group: dist.ProcessGroup | None, device: torch.device) -> bool:
-    """True when a load on ``device`` over ``group`` needs a gloo twin for its status flags."""
-    return device.type != "cpu" and not carries_cpu(group)
+    """True when a load on ``device`` over ``group`` needs a gloo twin for its status flags: an
+    accelerator-only group, whatever ``device`` (the flags are CPU tensors; a CPU model's wire
+    is the CPU too, see ``open_wire_route``)."""
+    return not carries_cpu(group)
 
 
 @dataclass
@@ -131,6 +134,16 @@ class StatusRoute:
         if self.owned and self.group is not None:
             self.owned = False
             dist.destroy_process_group(self.group)
+
+
+def close_route(route: StatusRoute, what: str = "the load's status group") -> None:
+    """``route.close()``; a failure is a warning: the ranks agreed on the call's outcome before
+    (raising here on one rank would leave the others waiting in the next agreement), and a
+    group left behind costs memory only."""
+    try:
+        route.close()
+    except Exception as exc:  # noqa: BLE001 - see the docstring
+        warnings.warn(f"streamload: {what} was not destroyed: {exc}", stacklevel=3)
 
 
 def open_status_route(
@@ -164,7 +177,7 @@ def open_status_route(
         ... finally:
         ...     route.close()
     """
-    if group is None or dist.get_world_size(group) == 1 or not needs_side_group(group, device):
+    if group is None or solo(group) or not needs_side_group(group, device):
         return StatusRoute(group, torch.device("cpu"))
     world = dist.get_world_size(group)
     if create and world == dist.get_world_size():
@@ -172,3 +185,47 @@ def open_status_route(
         return StatusRoute(dist.new_group(ranks, backend="gloo"), torch.device("cpu"), owned=True)
     log.info("streamload: status flags on %s (no gloo side group over part of an NCCL world)", device)
     return StatusRoute(group, device)
+
+
+def open_wire_route(group: dist.ProcessGroup | None, device: torch.device) -> StatusRoute:
+    """The group a load's collectives run over when its tensors live on ``device``.
+
+    A model on the CPU (a plain reference model under torchrun) over an accelerator-only group
+    (``"nccl"``): NCCL refuses CPU tensors ("No backend type associated with device type cpu",
+    on every rank). Such a load runs over a gloo group of the same ranks, made for it alone
+    (``close`` destroys it); every other load over ``group`` itself. Collective over the whole
+    world when it creates a group (``open_status_route`` says why only then).
+
+    Args:
+        group: the load's group.
+        device: where the model's tensors live (``resolve_device``).
+
+    Returns:
+        The route: ``group`` is the group to load over, ``owned`` whether it was made here.
+
+    Raises:
+        PlacementError: a CPU model over an accelerator-only group that spans part of the
+            world (no group can be made there safely), on every rank before any collective.
+
+    Example:
+        >>> wire = open_wire_route(group, torch.device("cpu"))
+        >>> try:
+        ...     load_over(wire.group)
+        ... finally:
+        ...     wire.close()
+    """
+    if solo(group) or device.type != "cpu" or carries_cpu(group):
+        return StatusRoute(group, device)
+    assert group is not None
+    world = dist.get_world_size(group)
+    ranks = [dist.get_global_rank(group, r) for r in range(world)]
+    if world != dist.get_world_size():
+        raise PlacementError(
+            f"the model lives on the CPU but the load's group ({dist.get_backend(group)}, {world} of "
+            f"{dist.get_world_size()} ranks) carries no CPU tensors, and no gloo twin of a group over "
+            "part of the world can be made without a hang",
+            rank=dist.get_rank(),
+            hint="pass process_group=dist.new_group(ranks, backend='gloo') (made by every rank), "
+            "or move the model to the group's device",
+        )
+    return StatusRoute(dist.new_group(ranks, backend="gloo"), device, owned=True)

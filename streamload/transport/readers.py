@@ -46,6 +46,7 @@ from ..errors import CheckpointFileError, StreamloadError
 from ..io.checkpoint import resolve_files
 from ..io.remote import RemoteFile, RemotePath, opened_remote_identity, remote_identity
 from ..options import env_text
+from .collectives import solo
 from .protocol import gather_or_raise
 
 
@@ -250,12 +251,13 @@ def choose(
         raise ValueError(f"readers must be one of {MODES}, not {requested!r}")
     requested = ReaderMode(requested)
     world = dist.get_world_size(group) if group is not None else 1
-    if world == 1 and requested is ReaderMode.OWNERS:
+    single = solo(group)
+    if single and requested is ReaderMode.OWNERS:
         # One process reads its shards itself: on a GPU this skips the scatter's device-to-device copy.
         if has_source:
             raise ValueError("readers='owners' needs the checkpoint as a path that every reader can open")
         return ReaderChoice(ReaderMode.OWNERS, "requested (single process)", [[0]])
-    if world == 1 or requested is ReaderMode.SRC:
+    if single or requested is ReaderMode.SRC:
         return ReaderChoice(ReaderMode.SRC, "requested" if requested is ReaderMode.SRC else "single process")
     local: BaseException | None = None
     mine: tuple = (None, None, has_source, None)

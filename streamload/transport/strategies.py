@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import warnings
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
 import torch
 import torch.distributed as dist
 
-from .protocol import StatusRoute, open_status_route
+from .protocol import StatusRoute, close_route, open_status_route
 from .readers import ReaderChoice, ReaderMode
 from .stream import read_owned, scatter
 
@@ -59,15 +58,10 @@ class _Routed:
         self._route = open_status_route(group, device)
 
     def close(self) -> None:
-        """Destroys the side group, if this load created one. A failure to is a warning: the
-        ranks agreed on the load's outcome before (raising here on one rank would leave the
-        others waiting in the next agreement), and a group left behind costs memory only."""
+        """Destroys the side group, if this load created one (``close_route``: a failure is a warning)."""
         route, self._route = self._route, None
         if route is not None:
-            try:
-                route.close()
-            except Exception as exc:  # noqa: BLE001 - see the docstring
-                warnings.warn(f"streamload: the load's status group was not destroyed: {exc}", stacklevel=2)
+            close_route(route)
 
 
 class SrcScatter(_Routed):
