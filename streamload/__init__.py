@@ -33,6 +33,8 @@ from .io.checkpoint import Checkpoint, LazyCheckpoint, TensorInfo
 from .load.driver import load_checkpoint
 from .report import LoadReport
 from .save.driver import SaveReport, save_pretrained
+from .sync.errors import EngineDeadError, EngineMismatchError, SyncError
+from .sync.source import HubSource
 
 __version__ = "0.1.0"
 
@@ -43,7 +45,10 @@ __all__ = [
     "CheckpointIndexError",
     "CopyOpError",
     "DTypeMismatchError",
+    "EngineDeadError",
+    "EngineMismatchError",
     "HeaderError",
+    "HubSource",
     "KeyMismatchError",
     "LazyCheckpoint",
     "MappingError",
@@ -59,6 +64,7 @@ __all__ = [
     "SaveReport",
     "ShapeMismatchError",
     "StreamloadError",
+    "SyncError",
     "TensorInfo",
     "TensorNotFoundError",
     "TieError",

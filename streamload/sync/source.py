@@ -1,0 +1,285 @@
+"""HubSource: the trainer's weights in hub layout, one layer group at a time, one collective each.
+
+The plan is the save's (``save/layout.py`` ``output_layout``, ``save/plan.py`` ``plan_save``):
+hub names (transformers' reverse conversion: fused experts back to per-expert tensors, computed
+on meta tensors of the global shapes), ties stored once, the cast, and every rank's pieces of
+every hub tensor, proven once to tile each hub tensor exactly (``save/tiling.py``
+``check_tiling``). A sync then runs the plan group by group (``groups.py``):
+
+1. every rank zero-fills one buffer of the group's size and copies its own pieces into their
+   places (the cast happens in this copy), straight from its local shards;
+2. ONE collective over the group's buffer, viewed as int32 words: ``all_reduce(SUM)`` when every
+   rank receives (colocated engines), ``reduce(SUM)`` to the one receiving rank otherwise. Every
+   byte is written by exactly one rank and is zero on all others, and integer addition of zeros
+   is exact, so the sum is the bytes, bit for bit (NaN payloads and signed zeros included) - no
+   float arithmetic ever touches a weight;
+3. the receivers yield the group's tensors as views of the buffer (no unpack copy); the next
+   group allocates a new buffer, so the engine may keep the views until it processed the layer.
+
+Peak extra memory per rank: one group buffer (the largest layer, its experts included), never a
+fused full tensor and never a full model. vLLM's ``WeightSource`` shape (``metadata``,
+``__iter__``, ``iter_groups``, ``held_names``, ``groups``) is implemented without importing
+vLLM; ``vllm_weight_source`` wraps it into vLLM's own ABC where a backend checks the type.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Collection, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..errors import SaveError
+from ..model.placement import resolve_device, resolve_group
+from ..save.layout import Layout, output_layout
+from ..save.plan import Piece, SavePlan, local_of, plan_save
+from ..save.tiling import check_tiling
+from ..transport.arrival import wait_work
+from ..transport.collectives import solo
+from ..transport.protocol import carries_cpu
+from .groups import Group, Slot, plan_groups
+
+ALL = "all"
+
+
+@dataclass(frozen=True)
+class ParamMeta:
+    """Name, wire dtype and full (hub) shape of one tensor a sync yields (vLLM's ``ParamMeta``)."""
+
+    name: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+
+
+@dataclass
+class SourceStats:
+    """What the passes of one HubSource did on this rank (cumulative).
+
+    Attributes:
+        passes: full passes iterated.
+        groups: groups materialised.
+        collectives: collectives issued for data (one per group when ranks > 1).
+        bytes: group buffer bytes materialised.
+        peak_group_bytes: the largest group buffer (the peak extra memory of a pass).
+        pack_seconds: time spent zero-filling and copying own pieces (sender-side assembly).
+        wire_seconds: time spent in the collectives.
+    """
+
+    passes: int = 0
+    groups: int = 0
+    collectives: int = 0
+    bytes: int = 0
+    peak_group_bytes: int = 0
+    pack_seconds: float = 0.0
+    wire_seconds: float = 0.0
+    per_pass: list[int] = field(default_factory=list)
+
+
+class HubSource:
+    """The trainer's weights as the hub checkpoint ``save_pretrained`` would write, streamed.
+
+    Collective to build (the plan's tiling is agreed once) and to iterate: every rank of the
+    group iterates every group in the same order.
+
+    Args:
+        model: the trainer's model (FSDP2 / DTensor parameters, or plain).
+        dtype: cast floating-point tensors to this dtype (as ``save_pretrained(dtype=)``).
+        receivers: ``"all"`` (every rank gets every tensor: colocated engines) or the group
+            rank that receives (one engine fed by one rank); other ranks yield ``None`` tensors.
+        process_group: the trainer's group (default: ``device_mesh``'s, else the default group).
+        device_mesh: the model's mesh (finds the group and the device of the wire).
+        aliases: hub name -> further names the engine must receive the same tensor under
+            (an engine that keeps its own copy of a tied weight: ``{"model.embed_tokens.weight":
+            ["lm_head.weight"]}``).
+        layout: the output layout, when the caller planned it already.
+
+    Raises:
+        SaveError: the model has a tensor with no hub form, or the ranks' shards do not tile
+            the hub tensors exactly (on every rank).
+
+    Example:
+        >>> src = HubSource(model)
+        >>> for name, tensor in src:  # one all_reduce per layer group
+        ...     engine_weights[name].copy_(tensor)
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        *,
+        dtype: torch.dtype | None = None,
+        receivers: str | int = ALL,
+        process_group: dist.ProcessGroup | None = None,
+        device_mesh: Any = None,
+        aliases: Mapping[str, Sequence[str]] | None = None,
+        layout: Layout | None = None,
+    ) -> None:
+        if receivers != ALL and not isinstance(receivers, int):
+            raise ValueError(f"receivers must be 'all' or a group rank, not {receivers!r}")
+        self.group = resolve_group(process_group, device_mesh)
+        self.rank = dist.get_rank(self.group) if self.group is not None else 0
+        self.world = dist.get_world_size(self.group) if self.group is not None else 1
+        if isinstance(receivers, int) and not 0 <= receivers < self.world:
+            raise ValueError(f"receivers={receivers} is not a rank of a {self.world}-rank group")
+        self.receivers = receivers
+        self.device = (
+            torch.device("cpu")
+            if self.group is None or carries_cpu(self.group)
+            else resolve_device(model, device_mesh, self.group)
+        )
+        self.layout = layout if layout is not None else output_layout(model, dtype=dtype)
+        plan = plan_save(model, self.layout, self.rank)
+        self.plan: SavePlan = check_tiling(self.layout, plan, self.group, self.device)
+        self.aliases = {k: list(v) for k, v in (aliases or {}).items()}
+        unknown = [k for k in self.aliases if k not in self.layout.tensors]
+        if unknown:
+            raise SaveError(f"aliases name tensors the trainer does not have: {unknown}", tensor=unknown[0])
+        entries: list[tuple[str, str, tuple[int, ...]]] = []
+        for name, h in self.layout.tensors.items():
+            entries.append((name, h.dtype, h.shape))
+            entries.extend((a, h.dtype, h.shape) for a in self.aliases.get(name, ()))
+        self._groups = plan_groups(entries)
+        by_name: dict[str, list[Piece]] = {}
+        for p in self.plan.pieces:
+            by_name.setdefault(p.key, []).append(p)
+            for a in self.aliases.get(p.key, ()):
+                by_name.setdefault(a, []).append(replace(p, key=a))
+        self._pieces = [[(s, p) for s in g.slots for p in by_name.get(s.name, ())] for g in self._groups]
+        self.stats = SourceStats()
+
+    # -- vLLM's WeightSource shape -------------------------------------------------------------
+
+    def metadata(self) -> list[ParamMeta]:
+        """(name, dtype, full shape) of every tensor a pass yields, in yield order; no transfer.
+
+        Example:
+            >>> HubSource(model).metadata()[0]
+            ParamMeta(name='model.embed_tokens.weight', dtype=torch.float32, shape=(256, 128))
+        """
+        from ..io.copy_ops import TORCH_DTYPES
+
+        return [ParamMeta(s.name, TORCH_DTYPES[s.dtype], s.shape) for g in self._groups for s in g.slots]
+
+    def held_names(self) -> Collection[str] | None:
+        """None: every rank takes part in every group's collective (vLLM's "holds all")."""
+        return None
+
+    def groups(self) -> list[list[str]]:
+        """The layer groups' names, in order (vLLM's ``layerwise_groups`` of ``metadata()``)."""
+        return [g.names for g in self._groups]
+
+    def __iter__(self) -> Iterator[tuple[str, torch.Tensor | None]]:
+        """A fresh pass: ``(name, tensor)`` in ``metadata()`` order, one collective per group.
+
+        On ranks that do not receive (``receivers`` = another rank) the tensors are None.
+        """
+        for names, tensors in self.iter_groups():
+            yield from zip(names, tensors, strict=True)
+
+    def iter_groups(self) -> Iterator[tuple[list[str], list[torch.Tensor | None]]]:
+        """A fresh pass, one ``(names, tensors)`` batch per layer group (one collective each).
+
+        Example:
+            >>> for names, tensors in HubSource(model).iter_groups():
+            ...     engine.load_weights(zip(names, tensors))
+        """
+        before = self.stats.collectives
+        for g in self._groups:
+            buf = self._materialise(g)
+            if buf is None:
+                yield g.names, [None] * len(g.slots)
+            else:
+                yield g.names, [s.view(buf) for s in g.slots]
+            del buf
+        self.stats.passes += 1
+        self.stats.per_pass.append(self.stats.collectives - before)
+
+    # -- one group -----------------------------------------------------------------------------
+
+    @property
+    def receives(self) -> bool:
+        """Whether this rank gets the tensors."""
+        return self.receivers == ALL or self.receivers == self.rank
+
+    @property
+    def largest_group_bytes(self) -> int:
+        """The largest group buffer: the peak extra memory of a pass on every rank."""
+        return max((g.nbytes for g in self._groups), default=0)
+
+    def _materialise(self, g: Group) -> torch.Tensor | None:
+        t0 = time.perf_counter()
+        buf = torch.zeros(g.nbytes, dtype=torch.uint8, device=self.device)
+        for slot, piece in self._pieces[g.index]:
+            _region(slot, piece, buf).copy_(piece.view(local_of(self.plan.tensors[piece.target])))
+        t1 = time.perf_counter()
+        self.stats.pack_seconds += t1 - t0
+        self.stats.groups += 1
+        self.stats.bytes += g.nbytes
+        self.stats.peak_group_bytes = max(self.stats.peak_group_bytes, g.nbytes)
+        if not solo(self.group):
+            words = buf.view(torch.int32)
+            if self.receivers == ALL:
+                work = dist.all_reduce(words, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
+            else:
+                assert self.group is not None  # not solo
+                dst = dist.get_global_rank(self.group, int(self.receivers))
+                work = dist.reduce(words, dst=dst, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
+            wait_work(work, self.device)
+            self.stats.collectives += 1
+        self.stats.wire_seconds += time.perf_counter() - t1
+        return buf if self.receives else None
+
+
+def _region(slot: Slot, piece: Piece, buf: torch.Tensor) -> torch.Tensor:
+    """The part of ``slot``'s tensor in ``buf`` that ``piece`` fills (hub dim order)."""
+    v = slot.view(buf)
+    for d, (lo, n) in enumerate(zip(piece.src_start, piece.hub_shape(), strict=True)):
+        v = v.narrow(d, lo, n)
+    return v
+
+
+_VLLM_CLASS: list[type] = []
+
+
+def vllm_weight_source(source: HubSource) -> Any:
+    """``source`` as an instance of vLLM's own ``WeightSource`` ABC (imports vLLM).
+
+    For vLLM trainer engines that type-check their source; the plain ``HubSource`` already has
+    the protocol's methods.
+
+    Example:
+        >>> from vllm.distributed.weight_transfer.base import WeightSource
+        >>> isinstance(vllm_weight_source(HubSource(model)), WeightSource)
+        True
+    """
+    if not _VLLM_CLASS:
+        from vllm.distributed.weight_transfer.base import ParamMeta as VParamMeta
+        from vllm.distributed.weight_transfer.base import WeightSource
+
+        class StreamloadWeightSource(WeightSource):
+            """vLLM's WeightSource over a streamload HubSource."""
+
+            def __init__(self, inner: HubSource) -> None:
+                self.inner = inner
+
+            def metadata(self) -> list[Any]:
+                return [VParamMeta(m.name, m.dtype, m.shape) for m in self.inner.metadata()]
+
+            def __iter__(self) -> Iterator[tuple[str, torch.Tensor | None]]:
+                return iter(self.inner)
+
+            def held_names(self) -> Collection[str] | None:
+                return self.inner.held_names()
+
+            def groups(self) -> list[list[str]]:
+                return self.inner.groups()
+
+            def iter_groups(self) -> Iterator[tuple[list[str], list[torch.Tensor | None]]]:
+                return self.inner.iter_groups()
+
+        _VLLM_CLASS.append(StreamloadWeightSource)
+    return _VLLM_CLASS[0](source)

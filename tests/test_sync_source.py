@@ -1,0 +1,84 @@
+"""HubSource: the trainer's weights in hub layout, a layer group at a time with one collective
+each, equal to transformers' save_pretrained of the gathered model (gloo ranks)."""
+
+from __future__ import annotations
+
+import cases_sync as cases
+import pytest
+import torch
+from rank_group import RankGroup
+
+from streamload.sync.groups import layer_groups, plan_groups
+from streamload.tools.synthetic import make_checkpoint
+
+MODELS = {
+    "qwen2": dict(tie=True),  # dense, tied embeddings (lm_head stored once)
+    "llama": dict(tie=False),  # dense, untied
+    "qwen3_moe": dict(num_experts=5, tie=False),  # fused experts -> per-expert hub tensors
+}
+
+
+def test_layer_groups_key_on_the_outermost_index() -> None:
+    names = [
+        "model.embed_tokens.weight",
+        "model.layers.1.mlp.experts.0.up_proj.weight",
+        "model.layers.0.self_attn.q_proj.weight",
+        "model.layers.1.input_layernorm.weight",
+        "model.norm.weight",
+        "lm_head.weight",
+        "model.layers.0.mlp.experts.3.down_proj.weight",
+    ]
+    assert layer_groups(names) == [
+        ["model.embed_tokens.weight"],
+        ["model.layers.0.self_attn.q_proj.weight", "model.layers.0.mlp.experts.3.down_proj.weight"],
+        ["model.layers.1.mlp.experts.0.up_proj.weight", "model.layers.1.input_layernorm.weight"],
+        ["model.norm.weight", "lm_head.weight"],
+    ]
+
+
+def test_group_buffers_are_aligned_words() -> None:
+    (g,) = plan_groups([("a", "BF16", (3,)), ("b", "F32", (5,)), ("c", "I64", (1,))])
+    assert [s.offset for s in g.slots] == [0, 64, 128]
+    assert g.nbytes % 8 == 0 and g.nbytes >= 136
+
+
+@pytest.fixture(scope="module")
+def ckpts(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    root = tmp_path_factory.mktemp("sync_src")
+    return {
+        mt: str(make_checkpoint(root / mt, mt, seed=31 + i, **kw))
+        for i, (mt, kw) in enumerate(MODELS.items())
+    }
+
+
+@pytest.fixture(scope="module")
+def group():
+    g = RankGroup(3)
+    yield g
+    g.close()
+
+
+@pytest.mark.parametrize("ws", [2, 3])
+@pytest.mark.parametrize("mt", list(MODELS))
+def test_source_equals_transformers_save(group: RankGroup, ckpts, ws: int, mt: str) -> None:
+    res = group.run(cases.case_source, ckpt=ckpts[mt], ws=ws, timeout=120)[:ws]
+    for r in res:
+        # one all_reduce per layer group per pass (two passes and the plain iterator: three)
+        assert r["collectives"] == {"all_reduce": 3 * r["groups"]}, r["collectives"]
+        assert r["stats"].per_pass == [r["groups"]] * 3
+        # every group's collective is issued before its tensors are yielded: group k has k+1 behind it
+        assert r["per_group"][: r["groups"]] == list(range(1, r["groups"] + 1))
+        # peak extra memory: one group, far from the model (no full model, no fused full tensor)
+        assert r["stats"].peak_group_bytes == r["largest_group"]
+        assert r["largest_group"] * 2 < r["model_bytes"], (r["largest_group"], r["model_bytes"])
+        assert 0 < r["allocated"] <= r["largest_group"], (r["allocated"], r["largest_group"])
+        assert r["received"] > 0
+
+
+def test_source_casts_and_one_receiver(group: RankGroup, ckpts) -> None:
+    # bf16 on the wire, as save_pretrained(dtype=torch.bfloat16) writes it
+    group.run(cases.case_source, ckpt=ckpts["qwen3_moe"], ws=3, dtype=torch.bfloat16, passes=1)
+    # one receiving rank: a reduce per group, the others yield None
+    res = group.run(cases.case_source, ckpt=ckpts["qwen2"], ws=3, receivers=1, passes=1)
+    assert [r["received"] > 0 for r in res] == [False, True, False]
+    assert all(r["collectives"] == {"reduce": 2 * r["groups"]} for r in res)
