@@ -124,3 +124,27 @@ def case_cuda_wire_unchanged(rank: int, world: int) -> dict:
     with nccl_only([None]):
         route = protocol.open_wire_route(dist.group.WORLD, torch.device("cuda", 0))
     return {"same": route.group is dist.group.WORLD, "owned": route.owned}
+
+
+def case_cpu_model_saved_under_nccl(rank: int, world: int, *, ckpt: str, out: str) -> dict:
+    """The checkpoint's model, plain on the CPU, saved over the NCCL-only default group with each
+    writer: everything (the src exchange too) rides a gloo twin; returns what was seen."""
+    import warnings
+
+    from transformers import AutoModelForCausalLM
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = AutoModelForCausalLM.from_pretrained(ckpt)
+    before = _process_groups()
+    results = []
+    with nccl_only([None]) as seen:
+        for writers in ("owners", "src"):
+            try:
+                rep = streamload.save_pretrained(
+                    model, f"{out}-{writers}", writers=writers, max_shard_size="8KB"
+                )
+                results.append(rep.writers)
+            except Exception as exc:  # noqa: BLE001 - reported to the test
+                results.append(f"{type(exc).__name__}: {exc}")
+    return {"results": results, "seen": dict(seen), "groups": _process_groups() - before}

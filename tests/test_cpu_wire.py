@@ -6,6 +6,7 @@ Faked on gloo ranks (cases_cpu_wire.nccl_only), at 2 and 3 ranks."""
 from __future__ import annotations
 
 from collections.abc import Iterator
+from pathlib import Path
 
 import cases_cpu_wire as cases
 import pytest
@@ -71,3 +72,26 @@ def test_cpu_model_under_part_of_an_nccl_world_is_refused_by_name(
 
 def test_a_device_wire_keeps_its_group(groups: dict[int, RankGroup]) -> None:
     assert groups[2].run(cases.case_cuda_wire_unchanged) == [{"same": True, "owned": False}] * 2
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_cpu_model_saved_under_nccl_over_a_gloo_group(
+    groups: dict[int, RankGroup], ckpt: str, world: int, tmp_path: Path
+) -> None:
+    """The save of such a model: agreements and the src writer's exchange on the gloo twin, the
+    files transformers' own save of the same model."""
+    import warnings
+
+    from transformers import AutoModelForCausalLM
+
+    res = groups[world].run(cases.case_cpu_model_saved_under_nccl, ckpt=ckpt, out=str(tmp_path / "out"))
+    for r in res:
+        assert r["results"] == ["owners", "src"], r
+        assert r["seen"]["nccl"] == 0 and r["seen"]["gloo"] > 0 and r["groups"] == 0, r
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        AutoModelForCausalLM.from_pretrained(ckpt).save_pretrained(tmp_path / "ref", max_shard_size="8KB")
+    ref = {p.name: p.read_bytes() for p in (tmp_path / "ref").glob("*.safetensors*")}
+    for w in ("owners", "src"):
+        got = {p.name: p.read_bytes() for p in (tmp_path / f"out-{w}").glob("*.safetensors*")}
+        assert got == ref, w

@@ -18,7 +18,7 @@ from ..errors import RankLostError, SaveError
 from ..model.placement import resolve_device, resolve_group
 from ..timeline import PhaseClock
 from ..transport.arrival import meeting
-from ..transport.protocol import StatusRoute, carries_cpu, open_status_route
+from ..transport.protocol import StatusRoute, carries_cpu, open_status_route, open_wire_route
 from .commit import Output, open_output
 from .gather import write_src
 from .layout import INDEX_NAME, Layout, output_layout, saved_config
@@ -40,7 +40,7 @@ class SaveReport:
         files: the output files (safetensors, index, configs), relative to the directory.
         seconds: wall time of the whole save.
         writers: the writer mode used (``"owners"`` or ``"src"``).
-        phases: seconds per phase (layout, plan, open, write, commit).
+        phases: seconds per phase (open, layout, plan, tiling, write, commit).
         peak_buffer_bytes: the largest host buffer the writer held at once (at most the bucket).
         writes: write calls this rank made.
     """
@@ -195,10 +195,13 @@ def _save(
         if group is None or carries_cpu(group)
         else resolve_device(model, device_mesh, group)
     )
-    route = open_status_route(group, wire)
+    # A CPU model under an NCCL-only group: everything, the src exchange too, over a gloo twin
+    # (refused by name over part of the world); else the agreements alone on the status route.
+    route = open_wire_route(group, wire) if wire.type == "cpu" else open_status_route(group, wire)
     try:
         out = open_output(out_dir, route.group, route.device)
-        _write_all(model, out, asked, report, clock, rank, group, wire)
+        data = route.group if wire.type == "cpu" else group
+        _write_all(model, out, asked, report, clock, rank, data, wire)
     finally:
         _close(route)
     clock.mark("commit")
@@ -240,6 +243,7 @@ def _write_all(
             local = exc  # a KeyboardInterrupt too: skipping the agreement would hang the others
         out.agree(local)
         plan = check_tiling(layout, plan, out.group, out.device)
+        clock.mark("tiling")
         out.create_files({f.name: f.size for f in layout.files})
         mode = asked.writers if asked.writers != "auto" else ("owners" if out.shared() else "src")
         report.writers = mode
