@@ -33,6 +33,7 @@ from .io.checkpoint import Checkpoint, LazyCheckpoint, TensorInfo
 from .load.driver import load_checkpoint
 from .report import LoadReport
 from .save.driver import SaveReport, save_pretrained
+from .sync.driver import SyncReport, sync_weights
 from .sync.errors import EngineDeadError, EngineMismatchError, SyncError
 from .sync.source import HubSource
 
@@ -65,6 +66,7 @@ __all__ = [
     "ShapeMismatchError",
     "StreamloadError",
     "SyncError",
+    "SyncReport",
     "TensorInfo",
     "TensorNotFoundError",
     "TieError",
@@ -76,4 +78,5 @@ __all__ = [
     "fsdp2_load_full_state_dict",
     "load_checkpoint",
     "save_pretrained",
+    "sync_weights",
 ]
