@@ -166,7 +166,8 @@ inline double load_f(DType t, const char* p) {
 
 inline void store_f(DType t, char* p, double v) {
   switch (t) {
-    case DType::F16: { uint16_t h = f32_to_f16(static_cast<float>(v)); std::memcpy(p, &h, 2); break; }
+    // Through f32 (x86 quiets and truncates a NaN's payload), then as torch's F16C cast.
+    case DType::F16: { uint16_t h = f32_to_f16_keep_nan(static_cast<float>(v)); std::memcpy(p, &h, 2); break; }
     case DType::BF16: { uint16_t h = f32_to_bf16(static_cast<float>(v)); std::memcpy(p, &h, 2); break; }
     case DType::F32: { float f = static_cast<float>(v); std::memcpy(p, &f, 4); break; }
     default: std::memcpy(p, &v, 8);
@@ -238,7 +239,8 @@ void copy_run(DType sd, DType dd, const char* s, char* d, int64_t n, int64_t ss,
   if (sd == DType::BF16 && dd == DType::F32) return run_loop<uint16_t, float>(s, d, n, ss, ds, bf16_to_f32);
   if (sd == DType::F16 && dd == DType::F32) return run_loop<uint16_t, float>(s, d, n, ss, ds, f16_to_f32);
   if (sd == DType::F32 && dd == DType::BF16) return run_loop<float, uint16_t>(s, d, n, ss, ds, f32_to_bf16);
-  if (sd == DType::F32 && dd == DType::F16) return run_loop<float, uint16_t>(s, d, n, ss, ds, f32_to_f16);
+  if (sd == DType::F32 && dd == DType::F16) return run_loop<float, uint16_t>(s, d, n, ss, ds, f32_to_f16_keep_nan);
+  if (sd == DType::F16 && dd == DType::BF16) return run_loop<uint16_t, uint16_t>(s, d, n, ss, ds, f16_to_bf16);
   // fp8 widens exactly to f32; bf16/f16 then round from that f32 as c10's
   // static_cast chain does.
   if (sd == DType::F8_E4M3 || sd == DType::F8_E5M2) return fp8_run(sd, dd, s, d, n, ss, ds);

@@ -69,9 +69,12 @@ inline float f32_from_bits(uint32_t u) { float f; std::memcpy(&f, &u, 4); return
 
 inline float bf16_to_f32(uint16_t h) { return f32_from_bits(static_cast<uint32_t>(h) << 16); }
 
-// c10::detail::round_to_nearest_even.
+// c10::detail::round_to_nearest_even for numbers; a NaN becomes 0xFFFF, as in
+// torch's vectorised f32 -> bf16 cast (the one a contiguous `.to(torch.bfloat16)`
+// takes on x86: every NaN, whatever its sign and payload). c10's scalar formula
+// gives 0x7FC0 instead: casts torch runs through it say so (f8_to_bf16, f16_to_bf16).
 inline uint16_t f32_to_bf16(float f) {
-  if (std::isnan(f)) return (f32_bits(f) & 0x80000000u) ? 0xFFC0 : 0x7FC0;
+  if (std::isnan(f)) return 0xFFFF;
   uint32_t u = f32_bits(f);
   uint32_t bias = ((u >> 16) & 1u) + 0x7FFFu;
   return static_cast<uint16_t>((u + bias) >> 16);
@@ -134,6 +137,12 @@ inline float f8e5m2_to_f32(uint8_t input) { return f16_to_f32(static_cast<uint16
 // round_to_nearest_even, where every NaN becomes 0x7FC0 (sign dropped).
 inline uint16_t f8_to_bf16(float widened) {
   return std::isnan(widened) ? static_cast<uint16_t>(0x7FC0) : f32_to_bf16(widened);
+}
+
+// f16 -> bf16 as torch's CPU cast does it: every NaN becomes 0x7FC0 (sign dropped).
+inline uint16_t f16_to_bf16(uint16_t h) {
+  const float f = f16_to_f32(h);
+  return std::isnan(f) ? static_cast<uint16_t>(0x7FC0) : f32_to_bf16(f);
 }
 
 // f32 -> f16 keeping a NaN's sign and top payload bits, quieted, as the x86

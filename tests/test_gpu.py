@@ -277,3 +277,103 @@ def test_device_comes_from_the_model_not_current_device(mesh, ckpts, tmp_path: P
     streamload.load_checkpoint(model, ckpt, progress=False)
     assert {p.device for p in model.parameters()} == {torch.device("cuda", 1)}
     _assert_equal(model, _reference(ckpt, torch.float32))
+
+
+def _tiny_qwen2(root: Path, dtype: torch.dtype) -> Path:
+    from streamload.tools.synthetic import make_checkpoint
+
+    return make_checkpoint(
+        root,
+        "qwen2",
+        dtype=dtype,
+        seed=11,
+        layers=2,
+        vocab=64,
+        hidden_size=32,
+        intermediate_size=40,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    )
+
+
+def test_missing_weights_initialise_without_the_dtensor_rng_tracker(mesh, tmp_path: Path) -> None:
+    """#43 item 6: strict=False on a CUDA mesh. The first DTensor random op would create torch's
+    OffsetBasedRNGTracker (a broadcast over the default group); the missing weights are drawn on
+    the CPU instead, equal to a non-sharded init with the reader's seed."""
+    import torch.distributed.tensor._random as dtensor_random
+    from safetensors.torch import load_file, save_file
+    from torch.distributed.fsdp import fully_shard
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    import streamload
+    from streamload.io.copy_ops import bit_view
+    from streamload.model.missing import fill_uncovered
+
+    ckpt = _tiny_qwen2(tmp_path / "holes", torch.float32)
+    missing = "model.layers.0.mlp.down_proj.weight"
+    sd = load_file(str(ckpt / "model.safetensors"))
+    del sd[missing]
+    save_file(sd, str(ckpt / "model.safetensors"), metadata={"format": "pt"})
+    config = AutoConfig.from_pretrained(ckpt)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    created: list[Any] = []
+    real_init = dtensor_random.OffsetBasedRNGTracker.__init__
+
+    def init(self: Any, *args: Any, **kwargs: Any) -> None:
+        created.append(args)
+        real_init(self, *args, **kwargs)
+
+    saved_tracker, dtensor_random._rng_tracker = dtensor_random._rng_tracker, None
+    dtensor_random.OffsetBasedRNGTracker.__init__ = init  # type: ignore[method-assign]
+    torch.manual_seed(1234)
+    try:
+        report = streamload.load_checkpoint(model, ckpt, device_mesh=mesh, strict=False, progress=False)
+        assert dtensor_random._rng_tracker is None and created == [], created
+    finally:
+        dtensor_random.OffsetBasedRNGTracker.__init__ = real_init  # type: ignore[method-assign]
+        dtensor_random._rng_tracker = saved_tracker
+    assert report.missing_keys == [missing]
+    cpu = AutoModelForCausalLM.from_config(config)
+    fill_uncovered(cpu, [missing], {}, seed=1234)  # a non-sharded init with the same seed
+    got = model.get_parameter(missing).to_local()
+    assert got.device.type == "cuda"
+    assert torch.equal(bit_view(got.cpu()), bit_view(cpu.get_parameter(missing)))
+
+
+@pytest.mark.parametrize("readers", ["src", "owners"])
+def test_nan_payloads_load_with_the_cpus_bits(mesh, tmp_path: Path, readers: str) -> None:
+    """#43 item 7: on sm_80+ a device's f32 -> bf16 writes every NaN 0x7FFF (torch's CPU: 0xFFFF),
+    fp8 -> bf16 0x7FFF (CPU 0x7FC0): every cast of a device load must give the CPU's bits."""
+    from cases_nan_casts import put_nans
+    from safetensors.torch import load_file, save_file
+
+    import streamload
+
+    base = _tiny_qwen2(tmp_path / "base", torch.float32)
+    sd = load_file(str(base / "model.safetensors"))
+    cases = [
+        (torch.float32, torch.bfloat16),
+        (torch.float32, torch.float16),
+        (torch.bfloat16, torch.float32),
+        (torch.bfloat16, torch.float16),
+        (torch.float16, torch.bfloat16),
+        (torch.float8_e4m3fn, torch.bfloat16),
+        (torch.float8_e4m3fn, torch.float32),
+    ]
+    for src, dst in cases:
+        ckpt = tmp_path / f"{src}-{dst}-{readers}".replace("torch.", "")
+        ckpt.mkdir()
+        for f in base.iterdir():
+            if f.suffix != ".safetensors":
+                (ckpt / f.name).write_bytes(f.read_bytes())
+        nan_sd = {k: put_nans(v.to(src)) if v.dim() == 2 else v.to(src) for k, v in sd.items()}
+        save_file(nan_sd, str(ckpt / "model.safetensors"), metadata={"format": "pt"})
+        model = streamload.from_pretrained(
+            str(ckpt), device_mesh=mesh, dtype=dst, progress=False, readers=readers, bucket_bytes=4096
+        )
+        assert all(p.to_local().device.type == "cuda" for p in model.parameters())
+        _assert_equal(model, _reference(str(ckpt), dst))

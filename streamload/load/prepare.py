@@ -22,7 +22,7 @@ from ..model.fsdp_ties import TieLayout, agree_ties, tie_layout
 from ..model.layouts import check_placements
 from ..model.mapped import MappedShards, map_shards
 from ..model.missing import fill_uncovered, snapshot_real
-from ..model.offload import materialize_offloaded, offloads_to_cpu
+from ..model.offload import host_targets, materialize_offloaded, offloads_to_cpu
 from ..model.own_buffers import init_own_buffers, unwritten_is_loud
 from ..model.placement import resolve_device, resolve_group
 from ..model.specs import (
@@ -419,6 +419,7 @@ def _plan_and_map(
     shards = Shards(
         locals_, fallbacks, options.slots, options.progress, mapped.targets, local.quant, options.prefault
     )
+    shards.host = host_targets(local.tensors, device, offloads_to_cpu(model))  # never staged (FSDP2 offload)
     clock.mark("map")  # mapped views of the files and the fallback sources
     return Prepared(
         model, options, clock, state, group, device, rank, group_rank, src_group_rank, choice, meta, ckpt,
@@ -550,7 +551,8 @@ def _check_and_materialize(
         unwritten_is_loud([n for n in outside if n not in saved], recomputed, True, match.missing)
         state_left = replace(state, meta_buffers=[n for n in state.meta_buffers if n not in recomputed])
         local.unrestored = restore_buffers(model, state_left)
-        fill_uncovered(model, [n for n in uncovered if n not in recomputed or n in saved], saved, rank)
+        fill = [n for n in uncovered if n not in recomputed or n in saved]
+        fill_uncovered(model, fill, saved, rank, seed=meta.init_seed)
     rebind_ties(model, state.ties)
     clock.mark("materialize")
     local.tensors = [get_tensor(model, t.name) for t in match.targets]

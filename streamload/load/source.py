@@ -39,6 +39,9 @@ class SourceMeta:
     # For a checkpoint in object storage, (object, size, ETag) of every object the reader opened:
     # a rank that opens them too must find these very versions (never a mix of two uploads).
     objects: tuple | None = None
+    # The reader's torch.initial_seed(): what every rank seeds the initialisation of missing
+    # tensors with (model/missing.py), so all ranks draw the same values; no rank's RNG is used.
+    init_seed: int | None = None
 
 
 @dataclass
@@ -165,6 +168,7 @@ def open_source(
                 extra=dict(extra() if callable(extra) else extra or {}),
                 read_mode=str(getattr(ckpt, "read_mode", "")) if isinstance(ckpt, Checkpoint) else "",
                 objects=opened_remote_identity(getattr(ckpt, "files", [])),
+                init_seed=torch.initial_seed(),
             )
         except BaseException as exc:  # noqa: BLE001 - every rank must hear of it
             local = exc

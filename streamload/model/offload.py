@@ -77,3 +77,34 @@ def materialize_offloaded(model: nn.Module, device: torch.device) -> None:
                 module._parameters[name] = nn.Parameter(
                     torch.empty_like(param, device=device), requires_grad=param.requires_grad
                 )
+
+
+def host_targets(tensors: list[torch.Tensor], device: torch.device, offloaded: bool) -> frozenset[int]:
+    """Indices of ``tensors`` whose shards live on the host while the load computes on ``device``:
+    filled in place from the files, never staged to the device and copied back.
+
+    Those are the shards on the CPU of a load on an accelerator, and the sharded parameters
+    (DTensors) of an FSDP2 CPU-offloaded model, which ``materialize_offloaded`` and FSDP2
+    keep on the CPU whatever the load's device (buffers and unsharded parameters live on
+    the device).
+
+    Args:
+        tensors: the load's targets (parameters, buffers) as the model holds them.
+        device: the device the load computes on.
+        offloaded: whether the model has a ``CPUOffloadPolicy`` (``offloads_to_cpu``).
+
+    Returns:
+        The indices of the host-resident targets.
+
+    Example:
+        >>> host_targets(tensors, torch.device("cuda", 0), offloads_to_cpu(model))
+        frozenset({0, 1, 2})
+    """
+    from torch.distributed.tensor import DTensor
+
+    out = set()
+    for i, t in enumerate(tensors):
+        local = t.to_local() if isinstance(t, DTensor) else t
+        if local.device.type == "cpu" and (device.type != "cpu" or (offloaded and isinstance(t, DTensor))):
+            out.add(i)
+    return frozenset(out)

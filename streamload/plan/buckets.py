@@ -8,7 +8,7 @@ where its bytes land.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from ..errors import DTypeMismatchError, ShapeMismatchError, rebuild_hint
 from ..io.copy_ops import ITEMSIZE, can_convert
@@ -67,7 +67,7 @@ class Segment:
         rank: the owning rank.
         box: the sub-box, global coordinates.
         local_start: the sub-box's start inside the rank's local shard.
-        wire_dtype: dtype on the wire (the narrower of file and parameter).
+        wire_dtype: dtype on the wire (see ``wire_dtype``).
         offset: byte offset inside the rank's part of the bucket.
         nbytes: bytes on the wire.
     """
@@ -133,13 +133,43 @@ class Plan:
             b.direct_rank = rank
 
 
+# The one cast a receiver makes (transport/unpack.py): bf16 -> f32 is a 16-bit shift of
+# the bits on every CPU and device, NaN payloads included. Every other cast runs on the
+# sender's native engine, whose bits are torch's CPU cast (a GPU's conversion instructions
+# write other NaNs: an sm_80+ f32 -> bf16 gives 0x7FFF where torch's CPU gives 0xFFFF).
+RECEIVER_CASTS = frozenset({("BF16", "F32")})
+
+
+def split_direct(bucket: Bucket, row: int, direct: frozenset[int]) -> tuple[Bucket | None, Bucket]:
+    """``row``'s segments of ``bucket`` as two buckets of that row alone: those of the
+    ``direct`` targets, filled in place (their ``direct_rank`` is ``row``; None when there
+    are none), and the others, laid out afresh from offset 0 (what is staged; maybe empty).
+
+    Example:
+        >>> in_place, staged = split_direct(bucket, row, frozenset({0, 3}))
+    """
+    world = len(bucket.segments)
+
+    def of(segments: list[Segment], direct_rank: int | None) -> Bucket:
+        out = Bucket([[] for _ in range(world)], [0] * world, direct_rank)
+        for seg in segments:
+            out.segments[row].append(replace(seg, offset=out.rank_bytes[row]))
+            out.rank_bytes[row] += _align(seg.nbytes)
+        return out
+
+    mine = bucket.segments[row]
+    in_place = [seg for seg in mine if seg.target in direct]
+    staged = of([seg for seg in mine if seg.target not in direct], None)
+    return (of(in_place, row) if in_place else None), staged
+
+
 def wire_dtype(source_dtypes: Sequence[str], dst: str) -> str:
-    """Narrow on the sender, widen on the receiver: the wire carries the
-    narrower of the file's and the parameter's dtype."""
+    """The dtype on the wire: the parameter's, or bf16 where a bf16 file fills an f32
+    parameter (half the bytes; the receiver widens it exactly, see ``RECEIVER_CASTS``)."""
     srcs = set(source_dtypes)
     if len(srcs) == 1:
         (src,) = srcs
-        return src if ITEMSIZE[src] <= ITEMSIZE[dst] else dst
+        return src if (src, dst) in RECEIVER_CASTS else dst
     return dst
 
 

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from ..io.sources import Source
-from ..plan.buckets import Plan
+from ..plan.buckets import Bucket, Plan, split_direct
 from ..report import progress_enabled
 from ..timeline import current
 from .arrival import raise_if_lost
@@ -38,6 +38,8 @@ class Shards:
     skip: frozenset[int] = field(default_factory=frozenset)  # targets that need no copy (mapped)
     quant: dict[str, Any] = field(default_factory=dict)  # logical key -> QuantTensor (dequantized on pack)
     prefault: bool | None = None  # the load's keyword (prefault.py; None: not given)
+    # Targets whose shards live on the host in a device load (FSDP2 CPU offload): filled in place.
+    host: frozenset[int] = field(default_factory=frozenset)
 
 
 def _progress_bar(total: int, enabled: bool | None) -> Any:
@@ -134,6 +136,7 @@ def read_owned(
     locals_ = shards.locals_
     bar: Any = None
     stager: Stager | None = None
+    split: list[tuple[Bucket | None, Bucket]] | None = None  # per bucket: filled in place, staged
     allocation: BaseException | None = None
     packer: Packer | None = None
     tl = current()
@@ -143,11 +146,15 @@ def read_owned(
             packer.announce_reads(row)
             populate_on_copy(source.engine, shards.prefault if device.type == "cpu" else False)
             bar = _progress_bar(sum(s.nbytes for b in plan.buckets for s in b.segments[row]), shards.progress)
-            if plan.buckets:
-                # Shards on the CPU (FSDP2 offload too) are filled in place: nothing stages there.
+            # Shards on the CPU are filled in place: nothing stages there. Nor do the host's shards
+            # (FSDP2 offload) in a load whose other shards are staged to the device: each bucket is
+            # split into the part filled in place and the part staged.
+            split = [split_direct(b, row, shards.host) for b in plan.buckets] if shards.host else None
+            staged = max((b.rank_bytes[row] for _, b in split), default=0) if split else 0
+            if plan.buckets and (split is None or staged):
                 on_cpu = all(t.device.type == "cpu" for t in locals_)
                 at = torch.device("cpu") if on_cpu else device
-                stager = open_stager(at, max(shards.slots, 2), plan.max_rank_bucket_bytes(row))
+                stager = open_stager(at, max(shards.slots, 2), staged or plan.max_rank_bucket_bytes(row))
     except BaseException as exc:  # noqa: BLE001 - every rank must hear of it
         allocation = exc
     with tl.span("agree_buffers"):
@@ -169,9 +176,13 @@ def read_owned(
                         packer.upcoming = (nxt, _NO_SLOT) if nxt is not None else None
                         packer.pack(bucket, _NO_SLOT, only=row)
                     else:
-                        wire = packer.pack(bucket, stager.host(k), only=row)
-                        unpack(bucket, row, stager.push(k, wire), locals_)
-                        stager.consumed(k)
+                        in_place, part = split[k] if split is not None else (None, bucket)
+                        if in_place is not None:
+                            packer.pack(in_place, _NO_SLOT, only=row)
+                        if part.rank_bytes[row]:
+                            wire = packer.pack(part, stager.host(k), only=row)
+                            unpack(part, row, stager.push(k, wire), locals_)
+                            stager.consumed(k)
                 if bar is not None:
                     bar.update(sum(s.nbytes for s in bucket.segments[row]))
             except BaseException as exc:  # noqa: BLE001 - reported to every rank below
