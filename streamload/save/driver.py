@@ -195,15 +195,18 @@ def _save(
         if group is None or carries_cpu(group)
         else resolve_device(model, device_mesh, group)
     )
-    # A CPU model under an NCCL-only group: everything, the src exchange too, over a gloo twin
-    # (refused by name over part of the world); else the agreements alone on the status route.
-    route = open_wire_route(group, wire) if wire.type == "cpu" else open_status_route(group, wire)
+    # A CPU model under an NCCL-only group: the data, the src exchange too, over a gloo twin
+    # (refused by name over part of the world), which carries the agreements as well.
+    carrier = open_wire_route(group, wire) if wire.type == "cpu" else StatusRoute(group, wire)
     try:
-        out = open_output(out_dir, route.group, route.device)
-        data = route.group if wire.type == "cpu" else group
-        _write_all(model, out, asked, report, clock, rank, data, wire)
+        route = carrier if carrier.owned else open_status_route(carrier.group, wire)
+        try:
+            out = open_output(out_dir, route.group, route.device)
+            _write_all(model, out, asked, report, clock, rank, carrier.group, wire)
+        finally:
+            _close(route)
     finally:
-        _close(route)
+        _close(carrier)
     clock.mark("commit")
     report.phases = clock.phases
     report.seconds = time.perf_counter() - clock.start
