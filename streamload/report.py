@@ -28,6 +28,11 @@ class LoadReport:
             whose next bucket's reads land in its slot (cold, buffered: ``Packer.lands_ahead``)
             holds one more (``peak_staging_bytes`` counts it).
         peak_staging_bytes: the most bytes the reader's staging ring held.
+        staging: how this rank's host staging slots were held (GPU loads that stage: the reader,
+            every rank under ``owners``): "pinned" (page-locked, copied to the device
+            asynchronously), "pageable" (page-locking was refused - a memlock limit, a sandboxed
+            GPU runtime -: plain memory, each copy synchronous, slower; a warning says why), or
+            "" (nothing staged on this rank).
         bytes_received: bytes each rank received, by rank.
         missing_keys / unexpected_keys: as matched (non-empty only with strict=False).
         tie_groups: [canonical, alias, ...] per group, re-bound on every rank.
@@ -71,6 +76,7 @@ class LoadReport:
     bucket_bytes: int = 0
     slots: int = 0
     peak_staging_bytes: int = 0
+    staging: str = ""
     bytes_received: list[int] = field(default_factory=list)
     missing_keys: list[str] = field(default_factory=list)
     unexpected_keys: list[str] = field(default_factory=list)

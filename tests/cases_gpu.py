@@ -129,12 +129,19 @@ class FakeBackend:
     stream's wait for a copy under ``compute="host"`` with lazy copies; the wait for a
     slot's last copy under ``compute="stream"`` with lazy copies; the device buffer's wait
     for its last consumer under ``compute="stream"`` with ``eager`` copies.
+
+    The consumer the pipeline enqueues with ``Stager.on_compute`` (the owners pipeline's
+    unpack) runs on the compute stream: under ``compute="stream"`` in stream order, after
+    the copy it waited for, so events recorded there complete only once it ran. A consumer
+    that is a collective (the src reader's) is the host's work, so that pipeline runs with
+    ``compute="host"``.
     """
 
     LOG: list[dict[str, Any]] = []
     EAGER = False  # the pipeline cases flip it to run the copy worker eagerly
+    COMPUTE = "host"  # the pipeline cases' compute stream ("stream": a worker, see above)
 
-    def __init__(self, device: torch.device, compute: str = "host", eager: bool | None = None) -> None:
+    def __init__(self, device: torch.device, compute: str | None = None, eager: bool | None = None) -> None:
         self.rec: dict[str, Any] = {
             "slots": 0,
             "copies": 0,
@@ -145,13 +152,14 @@ class FakeBackend:
         }
         FakeBackend.LOG.append(self.rec)
         eager = FakeBackend.EAGER if eager is None else eager
+        compute = FakeBackend.COMPUTE if compute is None else compute
         self.hosts: list[torch.Tensor] = []
         self.events: list[FakeEvent] = []
         self.last: dict[int, FakeEvent] = {}
         self.stream = FakeStream("copy", eager)
         self.compute = FakeStream("compute") if compute == "stream" else None
 
-    def host_buffer(self, nbytes: int) -> torch.Tensor:
+    def host_buffer(self, nbytes: int, lock: bool = True) -> torch.Tensor:
         self.hosts.append(torch.empty(nbytes, dtype=torch.uint8))
         self.rec["slots"] += 1
         return self.hosts[-1]
@@ -268,10 +276,19 @@ def skipping(which: str | None) -> Iterator[None]:
 
 
 def case_fake_stager(
-    rank: int, world: int, *, ckpt: str, ws: int, readers: str, eager: bool = False, skip: str | None = None
+    rank: int,
+    world: int,
+    *,
+    ckpt: str,
+    ws: int,
+    readers: str,
+    eager: bool = False,
+    skip: str | None = None,
+    compute: str = "host",
 ) -> dict | None:
     """Loads through the staged pipeline (asynchronous fake device backend) and returns what it
-    saw and which parameters differ from transformers' (``skip`` takes one wait out)."""
+    saw and which parameters differ from transformers' (``skip`` takes one wait out;
+    ``compute``: the fake's compute stream, see ``FakeBackend``)."""
     mesh = mesh_for(ws)
     if mesh is None:
         return None
@@ -279,7 +296,7 @@ def case_fake_stager(
 
     FakeBackend.LOG.clear()
     staging.BACKENDS["cpu"] = FakeBackend
-    FakeBackend.EAGER = eager
+    FakeBackend.EAGER, FakeBackend.COMPUTE = eager, compute
     # On the CPU, owners loads take one coarse bucket (nothing is staged there); here they stage.
     coarse, prepare.OWNERS_CPU_BUCKET_BYTES = prepare.OWNERS_CPU_BUCKET_BYTES, 0
     try:
@@ -290,7 +307,7 @@ def case_fake_stager(
             )
     finally:
         del staging.BACKENDS["cpu"]
-        FakeBackend.EAGER = False
+        FakeBackend.EAGER, FakeBackend.COMPUTE = False, "host"
         prepare.OWNERS_CPU_BUCKET_BYTES = coarse
     ref = reference(ckpt, None)
     bad = compare_model(model, ref)

@@ -20,7 +20,7 @@ from torch import nn
 
 from streamload.model.placement import resolve_device
 from streamload.tools.synthetic import make_checkpoint
-from streamload.transport import protocol
+from streamload.transport import protocol, staging
 from streamload.transport.staging import PAGE, CudaBackend, Stager, open_stager, registered_bytes
 
 WORLD = 3
@@ -221,6 +221,7 @@ def fake_cuda(monkeypatch: pytest.MonkeyPatch) -> FakeCuda:
     for name in ("device", "cudart", "Stream", "current_stream", "stream", "Event"):
         monkeypatch.setattr(torch.cuda, name, getattr(fake, name))
     monkeypatch.setattr(CudaBackend, "device_buffer", lambda self, n: torch.empty(n, dtype=torch.uint8))
+    monkeypatch.setattr(staging, "_launch", lambda device: fake._note("launch"))
     return fake
 
 

@@ -84,6 +84,7 @@ def finalize(prep: Prepared, result: StreamResult) -> LoadReport:
         bucket_bytes=prep.bucket_bytes,
         slots=prep.options.slots,
         peak_staging_bytes=result.peak_staging_bytes,
+        staging=prep.shards.staging,
         bytes_received=received,
         missing_keys=match.missing,
         unexpected_keys=match.unexpected,

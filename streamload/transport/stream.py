@@ -4,6 +4,7 @@ shards from the files). Both carry the per-bucket error protocol."""
 
 from __future__ import annotations
 
+import functools
 import warnings
 from collections import deque
 from dataclasses import dataclass, field
@@ -40,6 +41,8 @@ class Shards:
     prefault: bool | None = None  # the load's keyword (prefault.py; None: not given)
     # Targets whose shards live on the host in a device load (FSDP2 CPU offload): filled in place.
     host: frozenset[int] = field(default_factory=frozenset)
+    # Set by the pipeline: "pinned", "pageable" (page-locking refused, see staging.py) or "" (none).
+    staging: str = ""
 
 
 def _progress_bar(total: int, enabled: bool | None) -> Any:
@@ -99,7 +102,7 @@ def scatter(
         worker = None
         warnings.warn(f"streamload: shards are not faulted in ahead: {exc}", stacklevel=2)
     try:
-        peak = _stream(
+        peak, shards.staging = _stream(
             plan, row, src_rank, group, device, packer, shards.locals_, slots, shards.progress, status, rows,
             setup,
         )  # fmt: skip
@@ -132,7 +135,8 @@ def read_owned(
     row = group_rank if row is None else row
     me = dist.get_rank() if group is not None else 0  # errors name global ranks, as prepare's do
     assert source is not None
-    check = (status or open_status_route(group, device, create=False)).check()
+    route = status or open_status_route(group, device, create=False)
+    check = route.check()
     locals_ = shards.locals_
     bar: Any = None
     stager: Stager | None = None
@@ -155,10 +159,11 @@ def read_owned(
                 on_cpu = all(t.device.type == "cpu" for t in locals_)
                 at = torch.device("cpu") if on_cpu else device
                 stager = open_stager(at, max(shards.slots, 2), staged or plan.max_rank_bucket_bytes(row))
+                shards.staging = stager.staging if stager is not None else ""
     except BaseException as exc:  # noqa: BLE001 - every rank must hear of it
         allocation = exc
     with tl.span("agree_buffers"):
-        _agree_on_buffers(check, allocation, [stager], me, group, device)
+        _agree_on_buffers(check, allocation, [stager], me, route)
     assert packer is not None
     if stager is None:
         plan.set_direct(row)
@@ -181,7 +186,8 @@ def read_owned(
                             packer.pack(in_place, _NO_SLOT, only=row)
                         if part.rank_bytes[row]:
                             wire = packer.pack(part, stager.host(k), only=row)
-                            unpack(part, row, stager.push(k, wire), locals_)
+                            dev = stager.push(k, wire)
+                            stager.on_compute(functools.partial(unpack, part, row, dev, locals_))
                             stager.consumed(k)
                 if bar is not None:
                     bar.update(sum(s.nbytes for s in bucket.segments[row]))
@@ -200,13 +206,14 @@ def read_owned(
             # The device's queued copies may fail too: waited for before the last agreement.
             with tl.span("agree_end"):
                 try:
-                    settle(device)
+                    settle(device, stager)
                 except BaseException as exc:  # noqa: BLE001 - reported to every rank below
                     raise_if_lost(exc)  # a peer is gone: no status check or agreement can complete
                     failure = exc
                 failed = check.any_failed(failure is not None)
         if failed:
-            gather_or_raise(None, failure, me, group, device)
+            # On the status route: a rank whose device faulted cannot enter an NCCL collective.
+            gather_or_raise(None, failure, me, route.group, route.device)
             raise RuntimeError("unreachable: a failure was signalled but none was gathered")
     finally:
         try:
@@ -233,8 +240,9 @@ def _stream(
     status: StatusRoute,
     rows: list[int],
     setup: BaseException | None = None,
-) -> int:
-    """Runs the bucket pipeline; returns the staging ring's peak bytes (reader).
+) -> tuple[int, str]:
+    """Runs the bucket pipeline; returns the staging ring's peak bytes (reader) and how its
+    host slots were held (``Shards.staging``).
 
     ``row`` is this rank's row in ``plan``; ``rows`` the group rank of each row (see ``scatter``).
     ``setup``: this rank's failure before the pipeline (its packer), agreed with the buffers.
@@ -271,7 +279,7 @@ def _stream(
         allocation = exc
     me = dist.get_rank() if group is not None else 0  # errors name global ranks, as prepare's do
     with tl.span("agree_buffers"):
-        _agree_on_buffers(check, allocation, [stager], me, group, device)
+        _agree_on_buffers(check, allocation, [stager], me, status)
     assert transport is not None
     inflight: deque[tuple[int, torch.Tensor, Any]] = deque()
     failure: BaseException | None = None
@@ -339,13 +347,15 @@ def _stream(
                 try:
                     while inflight:
                         finish()
-                    settle(device)
+                    settle(device, stager)
                 except BaseException as exc:  # noqa: BLE001
                     raise_if_lost(exc)  # a peer is gone: no status check or agreement can complete
                     failure = exc
                 failed = check.any_failed(failure is not None)
             if not failed:
-                return stager.peak_bytes if stager is not None else ring.peak_bytes if ring is not None else 0
+                if stager is not None:
+                    return stager.peak_bytes, stager.staging
+                return (ring.peak_bytes if ring is not None else 0), ""
         # Someone failed: finish the collectives already posted, then agree on the error.
         while inflight:
             try:
@@ -353,7 +363,8 @@ def _stream(
             except BaseException as exc:  # noqa: BLE001 - this rank still joins the agreement
                 raise_if_lost(exc)  # a peer is gone: no status check or agreement can complete
                 failure = failure or exc
-        gather_or_raise(None, failure, me, group, device)
+        # On the status route: a rank whose device faulted cannot enter an NCCL collective.
+        gather_or_raise(None, failure, me, status.group, status.device)
         raise RuntimeError("unreachable: a failure was signalled but none was gathered")
     finally:
         try:
@@ -371,17 +382,17 @@ def _agree_on_buffers(
     failure: BaseException | None,
     stagers: list[Stager | None],
     rank: int,
-    group: dist.ProcessGroup | None,
-    device: torch.device,
+    route: StatusRoute,
 ) -> None:
     """One status exchange after the staging and receive buffers are allocated:
-    an allocation that fails on one rank (out of memory, page-locking refused)
-    is raised on every rank, before any rank enters the first bucket's collective."""
+    an allocation that fails on one rank (out of memory, a device that faulted)
+    is raised on every rank, before any rank enters the first bucket's collective.
+    The error travels on ``route`` (the gloo side group on NCCL), never on the device."""
     if not check.any_failed(failure is not None):
         return
     for stager in stagers:
         _close_quietly(stager)  # page-locked host slots are never left behind
-    gather_or_raise(None, failure, rank, group, device)
+    gather_or_raise(None, failure, rank, route.group, route.device)
     raise RuntimeError("unreachable: a failure was signalled but none was gathered")
 
 
