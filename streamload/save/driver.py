@@ -23,8 +23,9 @@ from .commit import Output, open_output
 from .gather import write_src
 from .layout import INDEX_NAME, Layout, output_layout, saved_config
 from .plan import SavePlan, plan_save
+from .quantize import QUANTIZE, agree_fp8, plan_fp8
 from .tiling import check_tiling
-from .write import WriteStats, write_headers, write_owners
+from .write import WriteStats, progress_bar, write_headers, write_owners
 
 WRITERS = ("auto", "owners", "src")
 DEFAULT_BUCKET_BYTES = 64 << 20
@@ -55,10 +56,16 @@ class SaveReport:
 
 
 def _small_files(
-    model: nn.Module, config: Any, dtype: torch.dtype | None, layout: Layout, tmp: str, write: bool
+    model: nn.Module,
+    config: Any,
+    dtype: torch.dtype | None,
+    layout: Layout,
+    tmp: str,
+    write: bool,
+    quantization: dict[str, Any] | None = None,
 ) -> list[str]:
-    """Index, config.json and generation_config.json: their names on every rank, the files
-    written where ``write`` (one rank)."""
+    """Index, config.json (with ``quantization`` as its ``quantization_config`` when given) and
+    generation_config.json: their names on every rank, the files written where ``write`` (one rank)."""
     names = []
     if layout.index is not None:
         if write:
@@ -66,6 +73,8 @@ def _small_files(
                 f.write(layout.index)
         names.append(INDEX_NAME)
     cfg = saved_config(model, config, dtype)
+    if cfg is not None and quantization is not None:
+        cfg.quantization_config = quantization
     if cfg is not None and hasattr(cfg, "save_pretrained"):
         if write:
             cfg.save_pretrained(tmp)
@@ -87,10 +96,11 @@ def _write(
     bucket_bytes: int,
     group: Any,
     device: torch.device | None = None,
+    bar: Any = None,
 ) -> WriteStats:
     if mode == "owners":
-        return write_owners(plan, layout, fds, bucket_bytes)
-    return write_src(plan, layout, fds, bucket_bytes, group, device)
+        return write_owners(plan, layout, fds, bucket_bytes, bar)
+    return write_src(plan, layout, fds, bucket_bytes, group, device, bar)
 
 
 def save_pretrained(
@@ -106,6 +116,7 @@ def save_pretrained(
     progress: bool | None = None,
     bucket_bytes: int | None = None,
     timeout: float | None = None,
+    quantize: str | None = None,
 ) -> SaveReport:
     """Writes ``model`` as the Hugging Face checkpoint transformers' ``save_pretrained``
     writes for the same gathered model; collective over the save's group.
@@ -130,12 +141,17 @@ def save_pretrained(
             that holds a shard: a smaller group is a ``SaveError`` on every rank.
         device_mesh: the model's mesh (finds the group and the device of the agreements).
         config: the config to write (default ``model.config``).
-        progress: reserved for a progress bar (the save logs nothing by default).
+        progress: a tqdm bar on group rank 0 of the bytes it writes and their rate (None:
+            ``STREAMLOAD_PROGRESS=0/1`` if set, else when stderr is a TTY, as for loads).
         bucket_bytes: host buffer bytes per rank (default 64 MiB).
         timeout: seconds to wait for peers that have not called (None: ``STREAMLOAD_TIMEOUT``,
             else 300); it bounds only that wait, never the save. Ranks that never call make
             ``RankAbsentError`` on the others; different ``dtype``, ``max_shard_size``,
-            ``writers`` or ``bucket_bytes`` across ranks, ``OptionMismatchError``.
+            ``writers``, ``bucket_bytes`` or ``quantize`` across ranks, ``OptionMismatchError``.
+        quantize: ``"fp8"``: DeepSeek-V3's block-scaled float8_e4m3fn (a float32
+            ``weight_scale_inv`` per 128x128 block, ``quantization_config`` in config.json) for
+            the weights transformers' fp8 quantizer converts; the rest as without it
+            (``save.quantize``). None: no quantization.
 
     Returns:
         SaveReport for this rank.
@@ -149,15 +165,18 @@ def save_pretrained(
         >>> model = streamload.from_pretrained("Qwen/Qwen2.5-0.5B-local")
         >>> streamload.save_pretrained(model, "out/qwen", max_shard_size="1GB")
     """
-    del progress
     if writers not in WRITERS:
         raise ValueError(f"writers must be one of {WRITERS}, not {writers!r}")
+    if quantize not in QUANTIZE:
+        raise ValueError(f"quantize must be one of {QUANTIZE}, not {quantize!r}")
     group = resolve_group(process_group, device_mesh)
     bucket = int(bucket_bytes) if bucket_bytes else DEFAULT_BUCKET_BYTES  # None == the default
     agreed = {"dtype": dtype, "max_shard_size": max_shard_size, "writers": writers, "bucket_bytes": bucket}
+    if quantize is not None:  # only when given: an older peer's meeting compares the same keys
+        agreed["quantize"] = quantize
     try:
         with meeting("save_pretrained", group, timeout, agreed):
-            asked = _Asked(dtype, max_shard_size, writers, config, bucket)
+            asked = _Asked(dtype, max_shard_size, writers, config, bucket, progress, quantize)
             return _save(model, out_dir, asked, group, device_mesh)
     except RankLostError as exc:  # a peer died: the save's promise is a SaveError, the lost ranks named
         raise SaveError(exc.reason, rank=exc.rank, hint=exc.hint) from exc
@@ -172,6 +191,8 @@ class _Asked:
     writers: str
     config: Any
     bucket: int
+    progress: bool | None = None
+    quantize: str | None = None
 
 
 def _save(
@@ -238,13 +259,18 @@ def _write_all(
     local: BaseException | None = None
     try:
         try:
-            layout = output_layout(model, dtype=asked.dtype, max_shard_size=asked.max_shard_size)
-            clock.mark("layout")
-            plan = plan_save(model, layout, rank)
+            if asked.quantize == "fp8":
+                layout, plan = plan_fp8(model, asked.dtype, asked.max_shard_size, rank, asked.bucket)
+            else:
+                layout = output_layout(model, dtype=asked.dtype, max_shard_size=asked.max_shard_size)
+                clock.mark("layout")
+                plan = plan_save(model, layout, rank)
             clock.mark("plan")
         except BaseException as exc:  # noqa: BLE001 - agreed below: the same error on every rank
             local = exc  # a KeyboardInterrupt too: skipping the agreement would hang the others
         out.agree(local)
+        if plan.fp8 is not None:  # the amax of blocks cut by shard edges, agreed; the scales planned
+            plan = agree_fp8(plan, layout, out.group, out.device)
         plan = check_tiling(layout, plan, out.group, out.device)
         clock.mark("tiling")
         out.create_files({f.name: f.size for f in layout.files})
@@ -258,13 +284,28 @@ def _write_all(
         except BaseException as exc:  # noqa: BLE001 - agreed: a rank that cannot open must not write alone
             local = exc
         out.agree(local)
-        stats = _write(mode, plan, layout, fds, asked.bucket, group, wire)
+        bar = None
+        if rank == 0:  # owners: rank 0's own bytes; src: every byte (rank 0 writes them all)
+            total = (
+                plan.bytes_to_write(layout)
+                if mode == "owners"
+                else sum(t.nbytes for t in layout.tensors.values())
+            )
+            bar = progress_bar(total, asked.progress, f"streamload save ({mode})")
+        try:
+            stats = _write(mode, plan, layout, fds, asked.bucket, group, wire, bar)
+        finally:
+            if bar is not None:
+                bar.close()
         report.bytes_written += stats.bytes_written
         report.writes = stats.writes
         report.peak_buffer_bytes = stats.peak_buffer_bytes
         if rank == 0:
             report.bytes_written += write_headers(layout, fds)
-        small = _small_files(model, asked.config, asked.dtype, layout, str(out.tmp_dir), write=rank == 0)
+        quantization = plan.fp8.choice.config() if plan.fp8 is not None else None
+        small = _small_files(
+            model, asked.config, asked.dtype, layout, str(out.tmp_dir), rank == 0, quantization
+        )
         report.files = [f.name for f in layout.files] + small
         clock.mark("write")
     except BaseException as exc:

@@ -94,8 +94,7 @@ class _Exchange:
             for _tag, n, their_runs, _done in gathered:
                 for file, off, at, length in their_runs:
                     _pwrite_all(self.fds[file], view[base + at : base + at + length], off)
-                    self.stats.writes += 1
-                    self.stats.bytes_written += length
+                    self.stats.wrote(length)
                 base += n
         return all(g[3] for g in gathered)
 
@@ -143,6 +142,7 @@ def write_src(
     bucket_bytes: int,
     group: dist.ProcessGroup | None,
     device: torch.device | None = None,
+    bar: Any = None,
 ) -> WriteStats:
     """Collective: every rank's pieces written by group rank 0.
 
@@ -167,8 +167,8 @@ def write_src(
     """
     world = dist.get_world_size(group) if group is not None else 1
     if solo(group):
-        return write_owners(plan, layout, fds, bucket_bytes)
-    stats = WriteStats()
+        return write_owners(plan, layout, fds, bucket_bytes, bar)
+    stats = WriteStats(bar=bar)
     exchange = _Exchange(group, device or torch.device("cpu"), fds, stats)
     share = max(_ALIGN, bucket_bytes // world)
     try:

@@ -303,6 +303,17 @@ def output_layout(
         >>> [f.name for f in lay.files]
         ['model-00001-of-00002.safetensors', 'model-00002-of-00002.safetensors']
     """
+    return layout_of(hub_state(model, dtype), model, max_shard_size)
+
+
+def layout_of(hub: dict[str, torch.Tensor], model: nn.Module, max_shard_size: int | str) -> Layout:
+    """The files, headers and index of the hub tensors ``hub`` (meta tensors, views sharing
+    the storage transformers' splitter groups by), split by ``max_shard_size``.
+
+    Example:
+        >>> layout_of(hub_state(model), model, "5GB").files[0].name
+        'model.safetensors'
+    """
     try:  # the [hf] extra (transformers brings it), not a core dependency
         from huggingface_hub.serialization._base import split_state_dict_into_shards_factory
     except ImportError as e:
@@ -311,7 +322,6 @@ def output_layout(
             hint="pip install 'streamload[hf]'",
         ) from e
 
-    hub = hub_state(model, dtype)
     split = split_state_dict_into_shards_factory(
         hub,
         get_storage_size=lambda t: t.untyped_storage().nbytes(),

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -27,6 +27,9 @@ from ..model.state import local_placement, local_tensor
 from ..plan.convert import plan_conversions
 from ..plan.regions import SourcePiece, box_numel, find_overlap, identity_piece, regions_for_box
 from .layout import HubTensor, Layout, model_state
+
+if TYPE_CHECKING:
+    from .quantize import Fp8Blocks
 
 
 @dataclass(frozen=True)
@@ -79,11 +82,14 @@ class SavePlan:
         pieces: what this rank writes, ordered by (file, offset).
         tensors: target name -> this rank's model tensor (parameter or buffer).
         pieces_of: target name -> the hub pieces tiling it (same on every rank).
+        fp8: with ``quantize="fp8"``, this rank's blocks (``save.quantize``): how its pieces of
+            quantized tensors are quantized, once agreed.
     """
 
     pieces: list[Piece]
     tensors: dict[str, torch.Tensor]
     pieces_of: dict[str, tuple[SourcePiece, ...]]
+    fp8: Fp8Blocks | None = None
 
     def bytes_to_write(self, layout: Layout) -> int:
         """The bytes this rank writes."""
@@ -240,13 +246,20 @@ def _regions(name: str, t: torch.Tensor, pieces: tuple[SourcePiece, ...]) -> Ite
             yield Piece(name, r.key, start, r.shape, r.dims, r.src_start)
 
 
-def plan_save(model: nn.Module, layout: Layout, group_rank: int = 0) -> SavePlan:
+def plan_save(
+    model: nn.Module,
+    layout: Layout,
+    group_rank: int = 0,
+    tiles: tuple[dict[str, torch.Tensor], dict[str, tuple[SourcePiece, ...]]] | None = None,
+) -> SavePlan:
     """This rank's write pieces.
 
     Args:
         model: the model being saved.
         layout: its output layout (``output_layout``).
         group_rank: this rank in the save's group (plain tensors are written by rank 0).
+        tiles: ``tile_model(model, layout)`` when already made (an fp8 save tiles the model
+            against its unquantized layout, whose keys the fp8 layout keeps).
 
     Returns:
         The SavePlan, pieces ordered by file and offset.
@@ -256,13 +269,13 @@ def plan_save(model: nn.Module, layout: Layout, group_rank: int = 0) -> SavePlan
         >>> sum(p.shape[0] for p in plan.pieces) > 0
         True
     """
-    tensors, tiles = tile_model(model, layout)
+    tensors, pieces_of = tiles if tiles is not None else tile_model(model, layout)
     out: list[Piece] = []
     for name, t in tensors.items():
         if _writes(t, group_rank):
-            out.extend(_regions(name, t, tiles[name]))
+            out.extend(_regions(name, t, pieces_of[name]))
     out.sort(key=lambda p: (layout.tensors[p.key].file, _first_byte(layout.tensors[p.key], p)))
-    return SavePlan(out, tensors, tiles)
+    return SavePlan(out, tensors, pieces_of)
 
 
 def _first_byte(h: HubTensor, p: Piece) -> int:

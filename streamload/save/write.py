@@ -12,13 +12,15 @@ own shards.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
 from ..io.copy_ops import ITEMSIZE
 from ..plan.buckets import split_box
 from ..plan.regions import Box
+from ..report import progress_enabled
 from .layout import HubTensor, Layout
 from .plan import Piece, SavePlan, local_of
 
@@ -33,11 +35,35 @@ class WriteStats:
         bytes_written: tensor bytes this rank wrote (headers excluded).
         writes: ``pwrite`` calls made (after coalescing).
         peak_buffer_bytes: the largest host buffer this writer held at once.
+        bar: the progress bar the writes advance (rank 0 only; None: no bar).
     """
 
     bytes_written: int = 0
     writes: int = 0
     peak_buffer_bytes: int = 0
+    bar: Any = field(default=None, repr=False)
+
+    def wrote(self, nbytes: int, calls: int = 1) -> None:
+        """Counts ``calls`` writes of ``nbytes`` in all, and advances the bar."""
+        self.writes += calls
+        self.bytes_written += nbytes
+        if self.bar is not None:
+            self.bar.update(nbytes)
+
+
+def progress_bar(total: int, enabled: bool | None, desc: str) -> Any:
+    """A tqdm bar of bytes written (its rate is the write speed, in GB/s once that large), or None
+    when ``enabled`` says no: as the loads' bar, off unless asked (``progress=True`` or
+    ``STREAMLOAD_PROGRESS=1``) or stderr is a TTY, so off under CI.
+
+    Example:
+        >>> bar = progress_bar(layout.total_size, None, "streamload save")
+    """
+    if not progress_enabled(enabled):
+        return None
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1000, desc=desc)
 
 
 def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
@@ -134,13 +160,14 @@ class _Packer:
     def flush(self) -> None:
         for file, off, at, n in self.runs:
             _pwrite_all(self.fds[file], self.view[at : at + n], off)
-            self.stats.writes += 1
-            self.stats.bytes_written += n
+        self.stats.wrote(sum(n for _f, _o, _a, n in self.runs), len(self.runs))
         self.runs.clear()
         self.pos = 0
 
 
-def write_owners(plan: SavePlan, layout: Layout, fds: dict[str, int], bucket_bytes: int) -> WriteStats:
+def write_owners(
+    plan: SavePlan, layout: Layout, fds: dict[str, int], bucket_bytes: int, bar: Any = None
+) -> WriteStats:
     """Writes this rank's pieces straight into the output files.
 
     Args:
@@ -148,6 +175,7 @@ def write_owners(plan: SavePlan, layout: Layout, fds: dict[str, int], bucket_byt
         layout: the output layout (offsets, dtypes).
         fds: output file name -> a descriptor open for writing.
         bucket_bytes: the host buffer's size; pieces larger than it are cut.
+        bar: a progress bar the writes advance (``progress_bar``), or None.
 
     Returns:
         WriteStats (bytes, pwrite calls, peak buffer bytes).
@@ -155,7 +183,7 @@ def write_owners(plan: SavePlan, layout: Layout, fds: dict[str, int], bucket_byt
     Example:
         >>> stats = write_owners(plan, layout, {f.name: out.open(f.name) for f in layout.files}, 64 << 20)
     """
-    stats = WriteStats()
+    stats = WriteStats(bar=bar)
     if not plan.pieces:
         return stats
     largest = max(_piece_bytes(p, layout) for p in plan.pieces)
@@ -190,15 +218,17 @@ def write_headers(layout: Layout, fds: dict[str, int]) -> int:
 
 def pack_all(plan: SavePlan, layout: Layout, packer: _Packer) -> None:
     """Every piece of ``plan`` through ``packer`` (cut to its buffer), then a last flush: the
-    owners writer's loop, so both writers cut and cast identically."""
+    owners writer's loop, so both writers cut, cast and quantize identically."""
     limit = packer.buf.numel()
+    fp8 = plan.fp8
     for piece in plan.pieces:
         h = layout.tensors[piece.key]
         src = piece.view(local_of(plan.tensors[piece.target]))
         box = tuple((s, s + n) for s, n in zip(piece.src_start, piece.hub_shape(), strict=True))
-        for sub in split_box(box, ITEMSIZE[h.dtype], limit):
+        itemsize = ITEMSIZE[h.dtype] if fp8 is None else fp8.itemsize(piece, ITEMSIZE[h.dtype])
+        for sub in split_box(box, itemsize, limit):
             part = src
             for d, ((lo, hi), (b0, _)) in enumerate(zip(sub, box, strict=True)):
                 part = part.narrow(d, lo - b0, hi - lo)
-            packer.add(h, sub, part)
+            packer.add(h, sub, part if fp8 is None else fp8.quantize(piece, sub, part))
     packer.flush()
