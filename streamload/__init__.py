@@ -35,6 +35,7 @@ from .report import LoadReport
 from .save.driver import SaveReport, save_pretrained
 from .sync.driver import SyncReport, sync_weights
 from .sync.errors import EngineDeadError, EngineMismatchError, SyncError
+from .sync.remote import EngineServer, RemoteEngine
 from .sync.source import HubSource
 
 __version__ = "0.1.0"
@@ -48,6 +49,7 @@ __all__ = [
     "DTypeMismatchError",
     "EngineDeadError",
     "EngineMismatchError",
+    "EngineServer",
     "HeaderError",
     "HubSource",
     "KeyMismatchError",
@@ -60,6 +62,7 @@ __all__ = [
     "PlacementError",
     "RankAbsentError",
     "RankLostError",
+    "RemoteEngine",
     "RemoteRankError",
     "SaveError",
     "SaveReport",

@@ -138,3 +138,54 @@ def test_named_errors_on_every_rank(found: dict[str, Any]) -> None:
 
 def test_runtime(found: dict[str, Any]) -> None:
     assert found["seconds"] < 90, found["seconds"]  # each world; the module stays under 3 minutes
+
+
+def _separate(found: dict[str, Any]) -> list[dict[str, Any]]:
+    if "separate" not in found:
+        pytest.skip("the separate engine is fed by 3 trainer ranks (the 3-rank run)")
+    return found["separate"]
+
+
+@pytest.mark.parametrize("key", MODELS)
+def test_separate_engine_equals_fresh_engine_of_the_save(found: dict[str, Any], key: str) -> None:
+    # one engine in a process of its own, fed by all 3 trainer ranks (one reduce per layer group
+    # over a group made for the transfer, never the trainer's); read back through that engine
+    ranks = _separate(found)
+    r0 = ranks[0][key]
+    assert r0["readback"] > 10
+    assert r0["diff"] == [], f"engine tensors differ from a fresh load of the save: {r0['diff']}"
+    assert r0["tokens_equal"] and r0["spread"] <= r0["fresh_spread"]
+    for r in ranks:
+        rep = r[key]["report"]
+        assert rep.groups == 4
+        assert rep.peak_group_bytes < rep.bytes / 2
+        assert rep.aliases == (
+            {} if key == "dense_untied" else {"model.embed_tokens.weight": ["lm_head.weight"]}
+        )
+        assert rep.refreshed == (2 if key == "moe" else 0)
+
+
+@pytest.mark.parametrize("key", MODELS)
+def test_separate_engine_five_syncs_flat(found: dict[str, Any], key: str) -> None:
+    ranks = _separate(found)
+    r0 = ranks[0][key]
+    assert r0["after_five_diff"] == [] and r0["after_five_spread"] <= r0["fresh_spread"]
+    for r in ranks:
+        rep, rss, engine = r[key]["report"], r[key]["five_rss"], r[key]["five_engine_rss"]
+        assert rss[-1] - rss[1] < rep.bytes, rss  # each trainer rank
+        assert 0 < engine[0] and engine[-1] - engine[1] < rep.bytes, engine  # the engine's process
+
+
+def test_separate_engine_named_errors_on_every_rank(found: dict[str, Any]) -> None:
+    ranks = _separate(found)
+    for rank, r in enumerate(ranks):
+        # a trainer model the engine does not serve (llama into a qwen2 engine): before any byte moved
+        assert r["dense_tied"]["mismatch"] == ("EngineMismatchError", rank, 1, 6)
+        # the engine's process killed while the link is open
+        name, where, text = r["dead"]
+        assert name == "EngineDeadError" and where == rank and "does not answer" in text
+
+
+def test_separate_engine_runtime(found: dict[str, Any]) -> None:
+    _separate(found)
+    assert found["separate_seconds"] < 20, found["separate_seconds"]

@@ -20,6 +20,7 @@ import streamload
 PROMPTS = [[5, 9, 17], [1, 2, 3, 4, 100], [42, 7]]
 _ENGINES: dict[str, Any] = {}  # kept for the process's life: see the module docstring
 _MODELS: dict[str, Any] = {}
+_WANT: dict[str, Any] = {}  # key -> a fresh engine of the save: (readback, generate, fresh spread)
 
 
 def engine(path: str, key: str | None = None) -> Any:
@@ -158,6 +159,7 @@ def case_colocated(
         res["fresh_diff"] = _diff(_read(again), want_w)
         res["fresh_spread"] = _spread(generate(again), want_g)
     res["spread"] = _spread(got_g, want_g)
+    _WANT[key] = (want_w, want_g, res.get("fresh_spread", 0.0))
 
     rss, secs = [], []
     for _ in range(5):

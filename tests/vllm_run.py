@@ -44,7 +44,18 @@ MODELS = {
 }
 
 
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
 def main() -> None:
+    import json
+    import subprocess
+
     import torch
     import vllm_cases as cases
     from rank_group import RankGroup
@@ -60,6 +71,21 @@ def main() -> None:
     }  # fmt: skip
     results: dict[str, object] = {}
     t0 = time.perf_counter()
+    # The separate engine (3 trainer ranks): its process starts now and loads its engines while the
+    # colocated cases run.
+    engine = None
+    ports = {key: _free_port() for key in MODELS}
+    if world == 3:
+        engine = subprocess.Popen(
+            [
+                sys.executable,
+                os.path.abspath(__file__),
+                "--engine",
+                json.dumps(ckpts),
+                json.dumps(ports),
+                str(world),
+            ]
+        )
     g = RankGroup(world)
     try:
         for key in MODELS:
@@ -69,7 +95,19 @@ def main() -> None:
             )  # fmt: skip
         results["partition"] = g.run(cases.case_group_partition, key="moe")
         results["errors"] = g.run(cases.case_errors, timeout=120, dense="dense_tied", other="dense_untied")
+        if engine is not None:
+            import vllm_separate
+
+            t1 = time.perf_counter()
+            results["separate"] = g.run(
+                vllm_separate.case_separate, timeout=240, ports=ports, engine_pid=engine.pid
+            )
+            results["separate_seconds"] = time.perf_counter() - t1
     finally:
+        if engine is not None and engine.poll() is None:
+            engine.kill()
+        if engine is not None:
+            engine.wait(timeout=30)
         results["seconds"] = time.perf_counter() - t0
         with open(sys.argv[1], "wb") as f:
             pickle.dump(results, f)
@@ -77,4 +115,11 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    if sys.argv[1] == "--engine":
+        import json
+
+        import vllm_separate
+
+        vllm_separate.engine_main(json.loads(sys.argv[2]), json.loads(sys.argv[3]), int(sys.argv[4]))
+    else:
+        main()

@@ -1,5 +1,6 @@
 """sync_weights: the trainer's weights into colocated vLLM engines (one per trainer rank, verl's
-hybrid engine), after every step. Collective over the trainer's group.
+hybrid engine), or into one engine in a process of its own (``remote.py``), after every step.
+Collective over the trainer's group.
 
 probe each engine (its config and ties; an engine that does not answer is dead) -> check that
 its model takes the trainer's hub tensors (names, shapes) -> agree (every rank raises the same
@@ -23,6 +24,7 @@ from ..save.layout import Layout, output_layout
 from ..transport.arrival import lost_peer, meeting
 from ..transport.protocol import carries_cpu, gather_or_raise
 from .errors import EngineDeadError, EngineMismatchError, SyncError
+from .remote import RemoteEngine
 from .source import HubSource, SourceStats
 from .vllm_engine import expected_hub_shapes, tie_aliases, worker_info, worker_reload
 
@@ -41,6 +43,8 @@ class SyncReport:
         peak_group_bytes: the largest group buffer (peak extra memory).
         aliases: engine names sent beside a hub tensor (the engine's ties).
         refreshed: MoE layers whose experts were re-packed after the reload.
+        engine_rss: the engine process's resident bytes after the sync (a separate engine, as
+            rank 0 heard it; 0 for colocated engines).
     """
 
     seconds: float = 0.0
@@ -52,6 +56,7 @@ class SyncReport:
     peak_group_bytes: int = 0
     aliases: dict[str, list[str]] = field(default_factory=dict)
     refreshed: int = 0
+    engine_rss: int = 0
 
 
 # model -> (what the source was planned for, the source): the plan (and its one agreement) is
@@ -68,7 +73,8 @@ def sync_weights(
     device_mesh: Any = None,
     timeout: float | None = None,
 ) -> SyncReport:
-    """Loads the trainer's current weights into this rank's colocated vLLM engine, in place.
+    """Loads the trainer's current weights into this rank's colocated vLLM engine, or into an
+    engine in another process (``llm`` a ``RemoteEngine``), in place.
 
     Every trainer rank calls it with its own engine (``vllm.LLM`` in this process; an in-process
     engine core, ``VLLM_ENABLE_V1_MULTIPROCESSING=0``, as verl's hybrid engine runs it). The
@@ -79,7 +85,8 @@ def sync_weights(
 
     Args:
         model: the trainer's model (FSDP2 / DTensor, or plain).
-        llm: this rank's engine (``vllm.LLM``).
+        llm: this rank's engine (``vllm.LLM``), or a ``RemoteEngine`` (the same one engine on
+            every rank, fed by one ``reduce`` per layer group over the link's transfer group).
         dtype: cast floating-point tensors on the way (the engine's dtype, e.g. bf16 masters ->
             bf16); None sends the trainer's dtypes.
         process_group: the trainer's group (default: ``device_mesh``'s, else the default group).
@@ -108,6 +115,8 @@ def sync_weights(
 
 
 def _sync(model: nn.Module, llm: Any, dtype: torch.dtype | None, group: Any, device_mesh: Any) -> SyncReport:
+    if isinstance(llm, RemoteEngine):
+        return _sync_remote(model, llm, dtype, group, device_mesh)
     t0 = time.perf_counter()
     rank = dist.get_rank(group) if group is not None else 0
     device = (
@@ -156,6 +165,61 @@ def _sync(model: nn.Module, llm: Any, dtype: torch.dtype | None, group: Any, dev
         peak_group_bytes=source.largest_group_bytes,
         aliases=aliases,
         refreshed=int(outcome.get("refreshed", 0)),
+    )
+
+
+def _sync_remote(
+    model: nn.Module, remote: RemoteEngine, dtype: torch.dtype | None, group: Any, device_mesh: Any
+) -> SyncReport:
+    """One engine in another process: check it from what it posted, agree, then one ``reduce``
+    per layer group over the link's transfer group while the engine's worker reloads."""
+    t0 = time.perf_counter()
+    rank = remote.rank
+    device = (
+        torch.device("cpu")
+        if group is None or carries_cpu(group)
+        else resolve_device(model, device_mesh, group)
+    )
+    local: BaseException | None = None
+    aliases: dict[str, list[str]] = {}
+    layout: Layout | None = None
+    try:
+        remote.ping()
+        layout = output_layout(model, dtype=dtype)
+        check_engine(layout, remote.info["config"], rank)
+        aliases = tie_aliases(remote.info["ties"], layout.tensors)
+    except BaseException as exc:  # noqa: BLE001 - agreed below
+        local = exc
+    gather_or_raise(None, local, rank, group, device)
+    assert layout is not None
+    source = _source(model, dtype, aliases, group, device_mesh, layout, (remote.pg, remote.engine_rank))
+    before = SourceStats(**vars(source.stats))
+    answer: dict[str, Any] | None = None
+    try:
+        remote.post({"op": "sync", "plan": remote.plan_for(source.planned_groups)})
+        for _ in source.iter_groups():
+            pass
+        answer = remote.answer()
+        if answer is not None and not answer["ok"]:
+            local = SyncError(f"the engine's reload failed ({answer['error']})", rank=rank)
+    except SyncError as exc:
+        local = exc
+    except BaseException as exc:  # noqa: BLE001 - the link's transfer failed: the engine is gone
+        local = remote.dead_error(exc) if lost_peer(exc) or isinstance(exc, RuntimeError) else exc
+    every = gather_or_raise(answer, local, rank, group, device)
+    outcome = every[0] or {}
+    s = source.stats
+    return SyncReport(
+        seconds=time.perf_counter() - t0,
+        engine_seconds=float(outcome.get("seconds", 0.0)),
+        pack_seconds=s.pack_seconds - before.pack_seconds,
+        wire_seconds=s.wire_seconds - before.wire_seconds,
+        groups=s.groups - before.groups,
+        bytes=s.bytes - before.bytes,
+        peak_group_bytes=source.largest_group_bytes,
+        aliases=aliases,
+        refreshed=int(outcome.get("refreshed", 0)),
+        engine_rss=int(outcome.get("rss", 0)),
     )
 
 
@@ -214,13 +278,20 @@ def _source(
     group: Any,
     device_mesh: Any,
     layout: Layout,
+    transfer: tuple[Any, int] | None = None,
 ) -> HubSource:
-    key = (dtype, sorted((k, tuple(v)) for k, v in aliases.items()), id(group))
+    key = (dtype, sorted((k, tuple(v)) for k, v in aliases.items()), id(group), id(transfer and transfer[0]))
     cached = _SOURCES.get(model)
     if cached is not None and cached[0] == key:
         return cached[1]
     source = HubSource(
-        model, dtype=dtype, process_group=group, device_mesh=device_mesh, aliases=aliases, layout=layout
+        model,
+        dtype=dtype,
+        process_group=group,
+        device_mesh=device_mesh,
+        aliases=aliases,
+        layout=layout,
+        transfer=transfer,
     )
     _SOURCES[model] = (key, source)
     return source

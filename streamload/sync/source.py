@@ -96,6 +96,10 @@ class HubSource:
             (an engine that keeps its own copy of a tied weight: ``{"model.embed_tokens.weight":
             ["lm_head.weight"]}``).
         layout: the output layout, when the caller planned it already.
+        transfer: ``(process group, rank)``: the data travels over this group instead, to that
+            rank of it - a group made for the transfer only (e.g. every trainer rank plus an
+            engine process, ``remote.py``), never registered with torch.distributed (its
+            collectives are the group object's own methods); no trainer rank receives then.
 
     Raises:
         SaveError: the model has a tensor with no hub form, or the ranks' shards do not tile
@@ -117,6 +121,7 @@ class HubSource:
         device_mesh: Any = None,
         aliases: Mapping[str, Sequence[str]] | None = None,
         layout: Layout | None = None,
+        transfer: tuple[Any, int] | None = None,
     ) -> None:
         if receivers != ALL and not isinstance(receivers, int):
             raise ValueError(f"receivers must be 'all' or a group rank, not {receivers!r}")
@@ -126,6 +131,7 @@ class HubSource:
         if isinstance(receivers, int) and not 0 <= receivers < self.world:
             raise ValueError(f"receivers={receivers} is not a rank of a {self.world}-rank group")
         self.receivers = receivers
+        self.transfer = transfer
         self.device = (
             torch.device("cpu")
             if self.group is None or carries_cpu(self.group)
@@ -203,7 +209,14 @@ class HubSource:
     @property
     def receives(self) -> bool:
         """Whether this rank gets the tensors."""
+        if self.transfer is not None:
+            return False
         return self.receivers == ALL or self.receivers == self.rank
+
+    @property
+    def planned_groups(self) -> list[Group]:
+        """The layer groups' layout (slots and buffer sizes), in pass order."""
+        return list(self._groups)
 
     @property
     def largest_group_bytes(self) -> int:
@@ -220,7 +233,14 @@ class HubSource:
         self.stats.groups += 1
         self.stats.bytes += g.nbytes
         self.stats.peak_group_bytes = max(self.stats.peak_group_bytes, g.nbytes)
-        if not solo(self.group):
+        if self.transfer is not None:
+            pg, root = self.transfer
+            opts = dist.ReduceOptions()
+            opts.rootRank = root
+            opts.reduceOp = dist.ReduceOp(dist.ReduceOp.SUM)
+            wait_work(pg.reduce([buf.view(torch.int32)], opts), self.device)
+            self.stats.collectives += 1
+        elif not solo(self.group):
             words = buf.view(torch.int32)
             if self.receivers == ALL:
                 work = dist.all_reduce(words, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
