@@ -3,19 +3,26 @@
 For output directories that only the writing rank sees (node-local disks).
 Each rank packs its pieces exactly as the ``owners`` writer does (same
 packer, file order, casts on the way in), but a full buffer is sent instead
-of written: one step per bucket is an all-gather of every rank's run list
-(file, offset, length per run, plus done / failed flags; never a tensor) and
-one ``all_to_all_single`` that moves each rank's packed bytes to the writer,
-which ``pwrite``s them. The run lists reach every rank, not only the writer,
-and they are not always small: a shard that is not contiguous in the file
-(a shard of dim 1, as column-wise TP makes) is one run per row. A rank that has sent
-everything keeps taking part with empty buckets until every rank is done, so
-every rank runs the same number of collectives.
+of written. One step per bucket:
 
-Memory: each rank's packer holds ``bucket_bytes / world``; the writer holds its
-own share plus the step's receive buffer (every rank's share, about
-``bucket_bytes``), so about ``bucket_bytes + bucket_bytes / world`` (and a host
-copy of the receive buffer when the wire buffers are on a GPU).
+1. an all-gather of five integers per rank (failed, data bytes, run-list bytes, done);
+2. the run lists to the writer only (one ``all_to_all_single`` in which only group rank 0
+   receives): each run is (file, offset, buffer offset, length, count, stride), so rows of
+   equal length at a constant file stride (a shard of dim 1, as column-wise TP makes, one run
+   per row) travel as one tuple;
+3. the packed bytes to the writer (one ``all_to_all_single``), started without waiting.
+
+The transport and the ``pwrite``s overlap: the writer hands a received bucket to a
+thread that writes it while the next bucket is packed and received (two receive buffers,
+used in turn), and every sender packs the next bucket into its second buffer while the
+previous one is still on the wire. A rank that has sent everything keeps taking part with
+empty buckets until every rank is done, so every rank runs the same number of collectives;
+the writer says it is done only once every write it was handed has finished.
+
+Memory: each rank's packer holds two buffers of ``bucket_bytes / (2 * world)``; the writer
+also holds two receive buffers of every rank's share (about ``bucket_bytes / 2`` each), so
+about ``bucket_bytes + bucket_bytes / world`` (and host copies of the receive buffers when the
+wire buffers are on a GPU).
 
 Failures are agreed per bucket: a rank whose packing (or the writer, whose
 ``pwrite``) fails says so in the next step's all-gather, every rank stops
@@ -26,8 +33,11 @@ there, the failing rank raises its own exception and the others a
 
 from __future__ import annotations
 
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -38,30 +48,93 @@ from .layout import Layout
 from .plan import SavePlan
 from .write import _ALIGN, WriteStats, _Packer, _pwrite_all, pack_all, write_owners
 
+_RUN_FIELDS = 6  # file index, file offset, buffer offset, length, count, file stride
+_FLAGS = 4  # failed, data bytes, run-list bytes, done
+
 
 class _Stop(Exception):
-    """Another rank failed: stop at this step (every rank stops at the same one)."""
+    """A rank failed: stop at this step (every rank stops at the same one).
 
-    def __init__(self, rank: int, reason: str) -> None:
+    ``own`` is the failing rank's own exception, on that rank (None elsewhere)."""
+
+    def __init__(self, rank: int, reason: str, own: BaseException | None = None) -> None:
         super().__init__(rank, reason)
         self.rank = rank
         self.reason = reason
+        self.own = own
+
+
+def encode_runs(runs: list[tuple[str, int, int, int]], files: dict[str, int]) -> np.ndarray:
+    """A packer's runs as an int64 [n, 6] array; consecutive runs of one length, adjacent in
+    the buffer and at a constant file stride, merged into one row.
+
+    Args:
+        runs: (file, file offset, buffer offset, length) in buffer order.
+        files: file name -> index.
+
+    Returns:
+        Rows of (file index, file offset, buffer offset, length, count, file stride).
+
+    Example:
+        >>> encode_runs([("f", 0, 0, 8), ("f", 32, 8, 8), ("f", 64, 16, 8)], {"f": 0}).tolist()
+        [[0, 0, 0, 8, 3, 32]]
+    """
+    rows: list[list[int]] = []
+    for file, off, at, n in runs:
+        f = files[file]
+        if rows:
+            last = rows[-1]
+            lf, loff, lat, ln, count, stride = last
+            if lf == f and ln == n and lat + count * n == at:
+                if count == 1 and off > loff:
+                    last[4], last[5] = 2, off - loff
+                    continue
+                if count > 1 and loff + count * stride == off:
+                    last[4] += 1
+                    continue
+        rows.append([f, off, at, n, 1, 0])
+    return np.asarray(rows, dtype=np.int64).reshape(-1, _RUN_FIELDS)
+
+
+@dataclass
+class _Bucket:
+    """One step's bytes on their way to the writer: the data collective and, on the writer,
+    its receive buffer, each rank's (start in it, run list)."""
+
+    work: Any
+    recv: torch.Tensor | None
+    segments: list[tuple[int, np.ndarray]]
+    slot: int = 0
 
 
 class _Exchange:
     """The per-bucket steps between the packing ranks and the writer (group rank 0)."""
 
     def __init__(
-        self, group: dist.ProcessGroup | None, device: torch.device, fds: dict[str, int], stats: WriteStats
+        self,
+        group: dist.ProcessGroup | None,
+        device: torch.device,
+        fds: dict[str, int],
+        files: list[str],
+        stats: WriteStats,
     ) -> None:
         self.group = group
         self.device = device
         self.fds = fds
+        self.files = files
+        self.index = {name: i for i, name in enumerate(files)}
         self.stats = stats
         self.rank = dist.get_rank(group) if group is not None else 0
         self.world = dist.get_world_size(group) if group is not None else 1
         self.global_rank = dist.get_rank() if group is not None else 0
         self.steps = 0
+        self.flying: _Bucket | None = None
+        # The writer: one thread writing received buckets in order, two receive buffers in turn.
+        self.pool = (
+            ThreadPoolExecutor(1, thread_name_prefix="streamload-src-write") if self.rank == 0 else None
+        )
+        self.slots: list[torch.Tensor | None] = [None, None]
+        self.writes: list[Future[None] | None] = [None, None]
 
     def step(
         self,
@@ -70,69 +143,160 @@ class _Exchange:
         done: bool,
         failed: BaseException | None = None,
     ) -> bool:
-        """One bucket: agree, move, write. Returns True when every rank is done.
+        """One bucket: the previous one landed, agree, move this one. Returns True when every
+        rank is done (and the writer wrote everything).
 
         Raises:
             _Stop: some rank reported a failure in this step (on every rank, the failing one included).
-            OSError: the writer's ``pwrite`` failed (raised after the collectives of this step).
         """
         self.steps += 1
-        nbytes = 0 if data is None else data.numel()
-        if failed is not None:
-            meta: Any = ("failed", self.global_rank, f"{type(failed).__name__}: {failed}")
+        if failed is None:
+            failed = self._land(drain=done)
         else:
-            meta = ("ok", nbytes, list(runs) if self.rank == 0 or nbytes else [], done)
-        gathered = all_gather_object(meta, self.group, self.device)
-        bad = [g for g in gathered if g[0] == "failed"]
+            self._land(drain=True)
+        header = encode_runs(runs, self.index) if data is not None and data.numel() else None
+        nbytes = 0 if header is None or data is None else data.numel()
+        flags = [int(failed is not None), nbytes, 0 if header is None else header.nbytes, int(done)]
+        gathered = self._all_gather(flags)
+        bad = [r for r, g in enumerate(gathered) if g[0]]
         if bad:
-            raise _Stop(bad[0][1], bad[0][2])
+            reason = None if failed is None else f"{type(failed).__name__}: {failed}"
+            reasons = all_gather_object((self.global_rank, reason), self.group, self.device)
+            first = reasons[bad[0]]
+            raise _Stop(first[0], first[1], own=failed)
         sizes = [g[1] for g in gathered]
-        recv = self._move(data, sizes)
-        if self.rank == 0 and recv is not None:
-            view = recv.numpy().data
-            base = 0
-            for _tag, n, their_runs, _done in gathered:
-                for file, off, at, length in their_runs:
-                    _pwrite_all(self.fds[file], view[base + at : base + at + length], off)
-                    self.stats.wrote(length)
-                base += n
+        headers = self._headers(header, [g[2] for g in gathered])
+        if sum(sizes):
+            self.flying = self._send(data if nbytes else None, sizes, headers)
         return all(g[3] for g in gathered)
 
-    def _move(self, data: torch.Tensor | None, sizes: list[int]) -> torch.Tensor | None:
-        """Every rank's bytes of this step to the writer; its receive buffer (on the CPU), else None."""
-        empty = torch.empty(0, dtype=torch.uint8, device=self.device)
-        send = empty if data is None or data.numel() == 0 else data.to(self.device)
-        total = sum(sizes)
-        if solo(self.group):
-            return send.cpu() if self.rank == 0 else None
-        if total == 0:
-            return torch.empty(0, dtype=torch.uint8) if self.rank == 0 else None
-        recv = torch.empty(total if self.rank == 0 else 0, dtype=torch.uint8, device=self.device)
-        out_splits = sizes if self.rank == 0 else [0] * self.world
+    def _all_gather(self, flags: list[int]) -> list[list[int]]:
+        mine = torch.tensor(flags, dtype=torch.int64, device=self.device)
+        out = [torch.empty_like(mine) for _ in range(self.world)]
+        wait_work(dist.all_gather(out, mine, group=self.group, async_op=True), self.device)
+        return [t.tolist() for t in out]
+
+    def _headers(self, header: np.ndarray | None, sizes: list[int]) -> list[np.ndarray]:
+        """Every rank's run list, on the writer (elsewhere, empty lists)."""
+        empty = np.zeros((0, _RUN_FIELDS), dtype=np.int64)
+        if not sum(sizes):
+            return [empty] * self.world
+        send = torch.empty(0, dtype=torch.uint8)
+        if header is not None:
+            send = torch.from_numpy(header.reshape(-1).view(np.uint8).copy())
+        send = send.to(self.device)
+        recv = torch.empty(sum(sizes) if self.rank == 0 else 0, dtype=torch.uint8, device=self.device)
         in_splits = [0] * self.world
         in_splits[0] = send.numel()
+        out_splits = sizes if self.rank == 0 else [0] * self.world
         wait_work(
             dist.all_to_all_single(recv, send, out_splits, in_splits, group=self.group, async_op=True),
             self.device,
         )
+        if self.rank != 0:
+            return [empty] * self.world
+        flat = recv.cpu().numpy()
+        out, at = [], 0
+        for n in sizes:
+            out.append(flat[at : at + n].view(np.int64).reshape(-1, _RUN_FIELDS))
+            at += n
+        return out
+
+    def _send(self, data: torch.Tensor | None, sizes: list[int], headers: list[np.ndarray]) -> _Bucket:
+        """Starts moving this step's bytes to the writer (rank 0: into the free receive buffer)."""
+        send = torch.empty(0, dtype=torch.uint8, device=self.device) if data is None else data.to(self.device)
+        total = sum(sizes)
+        recv = torch.empty(0, dtype=torch.uint8, device=self.device)
+        segments: list[tuple[int, np.ndarray]] = []
         if self.rank == 0:
-            self.stats.peak_buffer_bytes = max(self.stats.peak_buffer_bytes, total)
-            return recv.cpu()
+            recv = self._slot(total)
+            base = 0
+            for n, runs in zip(sizes, headers, strict=True):
+                segments.append((base, runs))
+                base += n
+        in_splits = [0] * self.world
+        in_splits[0] = send.numel()
+        out_splits = sizes if self.rank == 0 else [0] * self.world
+        work = dist.all_to_all_single(recv, send, out_splits, in_splits, group=self.group, async_op=True)
+        # ``send`` is the packer's buffer on the CPU: the packer fills its other one meanwhile.
+        return _Bucket(work, recv if self.rank == 0 else None, segments, self.steps % 2)
+
+    def _slot(self, total: int) -> torch.Tensor:
+        """The receive buffer of this step: the one whose bytes were written, reused."""
+        k = self.steps % 2
+        pending = self.writes[k]
+        if pending is not None:
+            pending.result()  # its writes finished (a failure was reported when it landed)
+            self.writes[k] = None
+        buf = self.slots[k]
+        if buf is None or buf.numel() < total:
+            buf = torch.empty(total, dtype=torch.uint8, device=self.device)
+            self.slots[k] = buf
+        self.stats.peak_buffer_bytes = max(
+            self.stats.peak_buffer_bytes, sum(s.numel() for s in self.slots if s is not None)
+        )
+        return buf[:total]
+
+    def _land(self, drain: bool) -> BaseException | None:
+        """Waits for the bucket on the wire; on the writer, hands it to the write thread (and,
+        with ``drain``, waits for every write). Returns the writer's failure, if any."""
+        bucket, self.flying = self.flying, None
+        if bucket is not None:
+            wait_work(bucket.work, self.device)
+            if self.rank == 0 and bucket.recv is not None and self.pool is not None:
+                host = bucket.recv.cpu()
+                self.writes[bucket.slot] = self.pool.submit(self._write, host, bucket.segments)
+        if self.rank != 0:
+            return None
+        for k, pending in enumerate(self.writes):
+            if pending is None or not (drain or pending.done()):
+                continue
+            self.writes[k] = None
+            exc = pending.exception()
+            if exc is not None:
+                return exc
         return None
+
+    def _write(self, recv: torch.Tensor, segments: list[tuple[int, np.ndarray]]) -> None:
+        """The write thread: every rank's runs of one bucket."""
+        view = memoryview(recv.numpy())  # type: ignore[arg-type]
+        for base, runs in segments:
+            for f, off, at, n, count, stride in runs.tolist():
+                fd = self.fds[self.files[f]]
+                for j in range(count):
+                    start = base + at + j * n
+                    _pwrite_all(fd, view[start : start + n], off + j * stride)
+                self.stats.wrote(n * count, count)
+
+    def close(self) -> None:
+        """Waits for the writes still running (their errors were reported, or the save failed)."""
+        if self.flying is not None:
+            try:
+                wait_work(self.flying.work, self.device)
+            except Exception:  # noqa: BLE001 - the save already failed; the peers say why
+                pass
+            self.flying = None
+        if self.pool is not None:
+            self.pool.shutdown(wait=True)
 
 
 class _SendPacker(_Packer):
-    """The owners packer, whose full buffer goes to the writer instead of to ``pwrite``."""
+    """The owners packer, whose full buffer goes to the writer instead of to ``pwrite``; two
+    buffers, so one is packed while the other is on the wire."""
 
     def __init__(self, bucket_bytes: int, exchange: _Exchange, stats: WriteStats) -> None:
         super().__init__(bucket_bytes, {}, stats)
         self.exchange = exchange
+        self.spare = torch.empty(bucket_bytes, dtype=torch.uint8)
+        self.stats.peak_buffer_bytes = max(self.stats.peak_buffer_bytes, 2 * bucket_bytes)
 
     def flush(self) -> None:
         end = max((at + n for _f, _o, at, n in self.runs), default=0)
         self.exchange.step(self.buf[:end], self.runs, done=False)
         self.runs.clear()
         self.pos = 0
+        # The buffer just sent is on the wire until the next step lands it: pack into the other.
+        self.buf, self.spare = self.spare, self.buf
 
 
 def write_src(
@@ -150,9 +314,11 @@ def write_src(
         plan: this rank's pieces (``plan_save``).
         layout: the output layout.
         fds: on group rank 0, output file name -> a descriptor open for writing (others: ``{}``).
-        bucket_bytes: the writer's receive buffer per step; each rank packs ``bucket_bytes / world``.
+        bucket_bytes: the writer's two receive buffers together; each rank packs
+            ``bucket_bytes / (2 * world)`` per step.
         group: the save's process group (None: one process, which writes everything itself).
         device: where the wire buffers live (default CPU: gloo; pass the CUDA device for NCCL).
+        bar: a progress bar the writer's writes advance, or None.
 
     Returns:
         WriteStats; on the writer the bytes and ``pwrite`` calls of every rank's pieces.
@@ -169,8 +335,9 @@ def write_src(
     if solo(group):
         return write_owners(plan, layout, fds, bucket_bytes, bar)
     stats = WriteStats(bar=bar)
-    exchange = _Exchange(group, device or torch.device("cpu"), fds, stats)
-    share = max(_ALIGN, bucket_bytes // world)
+    files = [f.name for f in layout.files]
+    exchange = _Exchange(group, device or torch.device("cpu"), fds, files, stats)
+    share = max(_ALIGN, bucket_bytes // (2 * world) // _ALIGN * _ALIGN)
     try:
         try:
             if plan.pieces:
@@ -181,14 +348,18 @@ def write_src(
         except _Stop:
             raise
         except BaseException as exc:
-            # This rank failed (packing, or the writer's pwrite): say so in the next step, which
-            # stops every rank there; then raise its own exception.
+            # This rank failed (packing): say so in the next step, which stops every rank
+            # there; then raise its own exception.
             try:
                 exchange.step(None, [], done=True, failed=exc)
             except _Stop:
                 pass
             raise
+        finally:
+            exchange.close()
     except _Stop as stop:
+        if stop.own is not None:
+            raise stop.own from None
         raise RemoteRankError(
             f"rank {stop.rank} failed while saving: {stop.reason}", rank=stop.rank
         ) from None
