@@ -171,9 +171,13 @@ def save_pretrained(
         raise ValueError(f"quantize must be one of {QUANTIZE}, not {quantize!r}")
     group = resolve_group(process_group, device_mesh)
     bucket = int(bucket_bytes) if bucket_bytes else DEFAULT_BUCKET_BYTES  # None == the default
-    agreed = {"dtype": dtype, "max_shard_size": max_shard_size, "writers": writers, "bucket_bytes": bucket}
-    if quantize is not None:  # only when given: an older peer's meeting compares the same keys
-        agreed["quantize"] = quantize
+    agreed = {
+        "dtype": dtype,
+        "max_shard_size": max_shard_size,
+        "writers": writers,
+        "bucket_bytes": bucket,
+        "quantize": quantize,
+    }
     try:
         with meeting("save_pretrained", group, timeout, agreed):
             asked = _Asked(dtype, max_shard_size, writers, config, bucket, progress, quantize)

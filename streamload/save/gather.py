@@ -117,6 +117,7 @@ class _Exchange:
         fds: dict[str, int],
         files: list[str],
         stats: WriteStats,
+        share: int = 0,
     ) -> None:
         self.group = group
         self.device = device
@@ -127,6 +128,7 @@ class _Exchange:
         self.rank = dist.get_rank(group) if group is not None else 0
         self.world = dist.get_world_size(group) if group is not None else 1
         self.global_rank = dist.get_rank() if group is not None else 0
+        self.capacity = share * self.world  # a receive buffer: every rank's share
         self.steps = 0
         self.flying: _Bucket | None = None
         # The writer: one thread writing received buckets in order, two receive buffers in turn.
@@ -230,7 +232,8 @@ class _Exchange:
             self.writes[k] = None
         buf = self.slots[k]
         if buf is None or buf.numel() < total:
-            buf = torch.empty(total, dtype=torch.uint8, device=self.device)
+            # Full size at once: buffers grown step by step would leave freed ones in the heap.
+            buf = torch.empty(max(total, self.capacity), dtype=torch.uint8, device=self.device)
             self.slots[k] = buf
         self.stats.peak_buffer_bytes = max(
             self.stats.peak_buffer_bytes, sum(s.numel() for s in self.slots if s is not None)
@@ -336,8 +339,8 @@ def write_src(
         return write_owners(plan, layout, fds, bucket_bytes, bar)
     stats = WriteStats(bar=bar)
     files = [f.name for f in layout.files]
-    exchange = _Exchange(group, device or torch.device("cpu"), fds, files, stats)
     share = max(_ALIGN, bucket_bytes // (2 * world) // _ALIGN * _ALIGN)
+    exchange = _Exchange(group, device or torch.device("cpu"), fds, files, stats, share)
     try:
         try:
             if plan.pieces:

@@ -239,9 +239,10 @@ class Fp8Blocks:
         br, bc = self.choice.block
         lead = tuple(slice(lo - s, hi - s) for (lo, hi), s in zip(sub[:-2], grid.start, strict=False))
         (r0, r1), (c0, c1) = sub[-2], sub[-1]
-        rows = torch.arange(r0, r1) // br - grid.start[-2]
-        cols = torch.arange(c0, c1) // bc - grid.start[-1]
-        scale = grid.scale[lead].index_select(-2, rows).index_select(-1, cols)
+        dev = part.device  # a device shard is quantized where it lives; the grids stay on the host
+        rows = torch.arange(r0, r1, device=dev) // br - grid.start[-2]
+        cols = torch.arange(c0, c1, device=dev) // bc - grid.start[-1]
+        scale = grid.scale[lead].to(dev).index_select(-2, rows).index_select(-1, cols)
         x = _as_saved(part, self.dtypes[piece.key])
         return (x * scale).clamp(min=_FP8_MIN, max=_FP8_MAX).to(FP8_DTYPE)
 
@@ -317,7 +318,7 @@ def _fold_amax(grid: _Grid, sub: Box, x: torch.Tensor, br: int, bc: int) -> None
     # Zeros pad the cut to whole blocks: |values| >= 0, so no block's max changes.
     x = F.pad(x, (c0 % bc, (-c1) % bc, r0 % br, (-r1) % br))
     *lead, rows, cols = x.shape
-    per_block = x.reshape(*lead, rows // br, br, cols // bc, bc).amax(dim=(-3, -1))
+    per_block = x.reshape(*lead, rows // br, br, cols // bc, bc).amax(dim=(-3, -1)).cpu()
     at = [slice(lo - s, hi - s) for (lo, hi), s in zip(sub[:-2], grid.start, strict=False)]
     at.append(slice(r0 // br - grid.start[-2], r0 // br - grid.start[-2] + rows // br))
     at.append(slice(c0 // bc - grid.start[-1], c0 // bc - grid.start[-1] + cols // bc))
