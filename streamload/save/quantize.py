@@ -287,7 +287,7 @@ def measure_blocks(plan: SavePlan, logical: Layout, choice: Fp8Choice, bucket_by
             _cut_mask(lead, (r0, r1), (c0, c1), br, bc),
         )
         src = piece.view(local_of(plan.tensors[piece.target]))
-        for sub in split_box(box, 4, max(bucket_bytes, 4 * br * bc)):
+        for sub in split_box(box, _QUANT_TEMP_ITEMSIZE, bucket_bytes):  # float32 value, |value|, padded
             part = src
             for d, ((lo, hi), (b0, _)) in enumerate(zip(sub, box, strict=True)):
                 part = part.narrow(d, lo - b0, hi - lo)
