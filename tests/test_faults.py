@@ -171,6 +171,15 @@ EXEMPT = {
     "streamload.integrations.pretrained:resolve_device": "picks the device the agreements run on",
     "streamload.load.prepare:resolve_group": "picks the group the agreements run on",
     "streamload.load.prepare:resolve_device": "picks the device the agreements run on",
+    "streamload.load.driver:resolve_group": "picks the group the load runs over",
+    "streamload.load.driver:resolve_device": "picks the device the load's wire is decided from",
+    # A CPU model over an NCCL-only group: the gloo twin is made (new_group, every rank) or the
+    # load refused, the same on every rank from the same group (tests/test_cpu_wire.py).
+    "streamload.load.driver:open_wire_route": "makes the gloo twin or refuses alike on every rank",
+    "streamload.load.driver:close_route": "destroys the twin after the last agreement; a failure is a warning",
+    "streamload.load.driver:replace": "dataclasses.replace of the options: no I/O",
+    # The group-of-one decision (the group's size and a switch read once): the same on every rank.
+    "streamload.transport.readers:solo": "a pure function of the group's size: the same on every rank",
     # Drivers: their steps are in the table (a failure at their entry is their first step's).
     "streamload.integrations.pretrained:run_load": "driver: its steps are in the table",
     "streamload.integrations.pretrained:_from_pretrained": "driver: its steps are in the table",
@@ -230,6 +239,8 @@ NOT_REACHED = {
     "streamload.load.prepare:opened_identity": "a checkpoint in object storage only (meta.objects)",
     "streamload.transport.readers:remote_identity": "a checkpoint in object storage only",
     "streamload.transport.stream:open_status_route": "every strategy passes the route it opened",
+    "streamload.transport.stream:split_direct": "a device owners load with CPU-offloaded shards only "
+    "(tests/test_host_shards.py)",
 }
 
 MODES = ("src", "owners", "node")
@@ -284,9 +295,18 @@ def injected_steps() -> list[str]:
     return [s for s in loader_steps() if s not in AGREEMENTS and s not in EXEMPT and not is_record(s)]
 
 
-def _fail_ranks(i: int, mode: str) -> list[int]:
+# Steps only the reader (rank 0) runs outside src mode: they fail there in every mode.
+ON_READER = {
+    "streamload.transport.readers:opened_identity": "the reader's proof of the files it holds open",
+}
+
+
+def _fail_ranks(i: int, mode: str, step: str = "") -> list[int]:
     """The ranks a step fails on, one per load: in src mode the reader and a receiver, else one
-    rank, rotating with the step's index so that each step fails on several ranks."""
+    rank, rotating with the step's index so that each step fails on several ranks (the reader
+    for a step only it runs)."""
+    if step in ON_READER and mode != "src":
+        return [0]
     if mode == "src":
         return [0, 1 + i % 2]
     return [(i + MODES.index(mode)) % WORLD]
@@ -304,7 +324,7 @@ PER_BUCKET = {
 
 def _injections(i: int, step: str) -> list[tuple[str, int, int]]:
     """(reader mode, failing rank, failing call) for step number ``i``."""
-    out = [(mode, r, 1) for mode in MODES for r in _fail_ranks(i, mode)]
+    out = [(mode, r, 1) for mode in MODES for r in _fail_ranks(i, mode, step)]
     if step in PER_BUCKET:
         out += [(mode, r, 3) for mode in ("src", "node") for r in _fail_ranks(i + 1, mode)]
     return out
