@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import os
 import time
-import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -18,7 +17,7 @@ from ..errors import RankLostError, SaveError
 from ..model.placement import resolve_device, resolve_group
 from ..timeline import PhaseClock
 from ..transport.arrival import meeting
-from ..transport.protocol import StatusRoute, carries_cpu, open_status_route, open_wire_route
+from ..transport.protocol import StatusRoute, carries_cpu, close_route, open_status_route, open_wire_route
 from .commit import Output, open_output
 from .gather import write_src
 from .layout import INDEX_NAME, Layout, output_layout, saved_config
@@ -229,22 +228,13 @@ def _save(
             out = open_output(out_dir, route.group, route.device)
             _write_all(model, out, asked, report, clock, rank, carrier.group, wire)
         finally:
-            _close(route)
+            close_route(route, "the save's status group")
     finally:
-        _close(carrier)
+        close_route(carrier, "the save's gloo group")
     clock.mark("commit")
     report.phases = clock.phases
     report.seconds = time.perf_counter() - clock.start
     return report
-
-
-def _close(route: StatusRoute) -> None:
-    """Destroys the save's gloo twin, if it made one; a failure is a warning (the ranks agreed
-    on the save's outcome before, and a group left behind costs memory only)."""
-    try:
-        route.close()
-    except Exception as exc:  # noqa: BLE001 - see the docstring
-        warnings.warn(f"streamload: the save's status group was not destroyed: {exc}", stacklevel=3)
 
 
 def _write_all(
