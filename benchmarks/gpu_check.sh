@@ -24,7 +24,8 @@
 #
 # --dry-run: on a CPU-only machine, everything a fake can stand in for: the dependency check
 # (nothing installed), the world-1 multi-rank paths on one gloo rank (tests/test_world1_paths.py),
-# the fake-device tests (tests/test_gpu_path.py) and the NCCL-refuses-CPU fake
+# the fake-device tests (tests/test_gpu_path.py, test_gpu_faults.py, test_host_shards.py,
+# test_nan_casts.py, test_missing_init.py) and the NCCL-refuses-CPU fake
 # (tests/test_cpu_wire.py); the build, the GPU tests and the bench are SKIP lines.
 #
 # The interpreter: $PYTHON, else the first of .venv/bin/python, python, python3 that imports
@@ -222,13 +223,13 @@ fi
 # --- tests ------------------------------------------------------------------------------
 if [ "$DRY" = 1 ]; then
     pytest_check world1_gloo 180 tests/test_world1_paths.py
-    pytest_check fake_device 300 tests/test_gpu_path.py
+    pytest_check fake_device 300 tests/test_gpu_path.py tests/test_gpu_faults.py tests/test_host_shards.py tests/test_nan_casts.py tests/test_missing_init.py
     pytest_check nccl_refuses_cpu 180 tests/test_cpu_wire.py
-    record gpu_tests SKIP 0 "needs CUDA (tests/test_gpu.py)"
+    record gpu_tests SKIP 0 "needs CUDA (tests/test_gpu.py, tests/test_gpu_faults.py)"
     record gpu_tests_multi_rank SKIP 0 "needs CUDA (tests/test_gpu.py, STREAMLOAD_FORCE_MULTI_RANK=1)"
     record bench SKIP 0 "bench_gpu.py needs CUDA (pinned host-to-device copies, one NCCL rank)"
 else
-    pytest_check gpu_tests 120 -m gpu tests/test_gpu.py
+    pytest_check gpu_tests 150 -m gpu tests/test_gpu.py tests/test_gpu_faults.py
     STREAMLOAD_FORCE_MULTI_RANK=1 pytest_check gpu_tests_multi_rank 120 -m gpu tests/test_gpu.py
     # --- bench: whatever time is left (at least 60 s: numbers beat a clean total) ----------
     budget=$(($(left) - 5))
