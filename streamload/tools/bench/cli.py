@@ -118,6 +118,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--max-shard-size", default="5GB", help="with --save: every strategy's max_shard_size")
     p.add_argument(
+        "--sync",
+        action="store_true",
+        help="measure the weight sync into colocated vLLM engines instead (the vLLM venv's interpreter: "
+        "STREAMLOAD_VLLM_PYTHON or .venv-vllm): streamload, vLLM's ModuleSource, save + reload, the "
+        "one-collective floor, on a dense and a per-expert MoE checkpoint of --gb each",
+    )
+    p.add_argument(
         "--remote",
         action="store_true",
         help="load from S3 instead: the checkpoint is uploaded to a local S3 endpoint (moto) and every "
@@ -154,6 +161,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from ..synthetic import make_checkpoint, sized_config
 
+    if args.sync:
+        from .sync import run_sync
+
+        return run_sync(args)
     ckpt = args.checkpoint
     label = Path(ckpt).name if ckpt else f"{args.model_type}_{args.gb:g}gb"
     if ckpt is None:
