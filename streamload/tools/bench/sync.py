@@ -20,7 +20,7 @@ from typing import Any
 from .table import write_jsonl
 
 ROOT = Path(__file__).resolve().parents[3]
-MODELS = (("qwen2", {}), ("qwen3_moe", {"experts": 64}))
+MODELS: tuple[tuple[str, dict[str, Any]], ...] = (("qwen2", {}), ("qwen3_moe", {"experts": 64}))
 
 
 def vllm_python() -> Path:

@@ -159,6 +159,7 @@ def _rank_main(rank: int, world: int, init: str, ckpt: str, repeat: int, q: Any)
                 dist.barrier()
                 peak = _Peak()
                 t0 = time.perf_counter()
+                row: dict[str, Any]
                 if way == "streamload":
                     r = streamload.sync_weights(model, llm)
                     row = {
