@@ -92,7 +92,7 @@ def _reload(worker: Any, weights: Any = None, path: str | None = None) -> float:
     return time.perf_counter() - t0
 
 
-def _module_source(model: Any, llm: Any) -> dict[str, float]:
+def _module_source(model: Any, llm: Any) -> dict[str, Any]:
     """vLLM's ModuleSource, fused experts split by transformers' reverse conversion."""
     from transformers.core_model_loading import revert_weight_conversion
     from vllm.distributed.weight_transfer.base import ModuleSource
