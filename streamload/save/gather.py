@@ -5,12 +5,14 @@ Each rank packs its pieces exactly as the ``owners`` writer does (same
 packer, file order, casts on the way in), but a full buffer is sent instead
 of written. One step per bucket:
 
-1. an all-gather of five integers per rank (failed, data bytes, run-list bytes, done);
-2. the run lists to the writer only (one ``all_to_all_single`` in which only group rank 0
-   receives): each run is (file, offset, buffer offset, length, count, stride), so rows of
-   equal length at a constant file stride (a shard of dim 1, as column-wise TP makes, one run
-   per row) travel as one tuple;
-3. the packed bytes to the writer (one ``all_to_all_single``), started without waiting.
+1. an all-gather of five integers per rank (failed, data bytes, run-list bytes, done, whether
+   the run list fits behind the data in the rank's buffer);
+2. the packed bytes to the writer (one ``all_to_all_single`` in which only group rank 0
+   receives), started without waiting, each rank's run list behind its bytes: the run lists
+   reach the writer alone. Each run is (file, offset, buffer offset, length, count, stride), so
+   rows of equal length at a constant file stride (a shard of dim 1, as column-wise TP makes,
+   one run per row) travel as one tuple. In a step where some rank's list does not fit its
+   buffer's spare room, the lists go first in an ``all_to_all_single`` of their own.
 
 The transport and the ``pwrite``s overlap: the writer hands a received bucket to a
 thread that writes it while the next bucket is packed and received (two receive buffers,
@@ -19,7 +21,8 @@ previous one is still on the wire. A rank that has sent everything keeps taking 
 empty buckets until every rank is done, so every rank runs the same number of collectives;
 the writer says it is done only once every write it was handed has finished.
 
-Memory: each rank's packer holds two buffers of ``bucket_bytes / (2 * world)``; the writer
+Memory: each rank's packer holds two buffers of ``bucket_bytes / (2 * world)`` (an eighth of
+each is room for the run list); the writer
 also holds two receive buffers of every rank's share (about ``bucket_bytes / 2`` each), so
 about ``bucket_bytes + bucket_bytes / world`` (and host copies of the receive buffers when the
 wire buffers are on a GPU).
@@ -33,6 +36,7 @@ there, the failing rank raises its own exception and the others a
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -49,7 +53,7 @@ from .plan import SavePlan
 from .write import _ALIGN, WriteStats, _Packer, _pwrite_all, pack_all, write_owners
 
 _RUN_FIELDS = 6  # file index, file offset, buffer offset, length, count, file stride
-_FLAGS = 4  # failed, data bytes, run-list bytes, done
+_FLAGS = 5  # failed, data bytes, run-list bytes, done, run list behind the data
 
 
 class _Stop(Exception):
@@ -103,8 +107,19 @@ class _Bucket:
 
     work: Any
     recv: torch.Tensor | None
-    segments: list[tuple[int, np.ndarray]]
+    segments: list[_Segment]
     slot: int = 0
+
+
+@dataclass(frozen=True)
+class _Segment:
+    """One rank's part of a received bucket: where it starts, and its run list (or where in it
+    the list is, when it travelled behind the bytes)."""
+
+    base: int
+    runs: np.ndarray | None
+    runs_at: int = 0
+    runs_bytes: int = 0
 
 
 class _Exchange:
@@ -144,9 +159,11 @@ class _Exchange:
         runs: list[tuple[str, int, int, int]],
         done: bool,
         failed: BaseException | None = None,
+        room: torch.Tensor | None = None,
     ) -> bool:
         """One bucket: the previous one landed, agree, move this one. Returns True when every
-        rank is done (and the writer wrote everything).
+        rank is done (and the writer wrote everything). ``data`` is the start of ``room`` (the
+        packer's whole buffer), whose rest may carry the run list.
 
         Raises:
             _Stop: some rank reported a failure in this step (on every rank, the failing one included).
@@ -158,7 +175,10 @@ class _Exchange:
             self._land(drain=True)
         header = encode_runs(runs, self.index) if data is not None and data.numel() else None
         nbytes = 0 if header is None or data is None else data.numel()
-        flags = [int(failed is not None), nbytes, 0 if header is None else header.nbytes, int(done)]
+        hb = 0 if header is None else header.nbytes
+        at = -(-nbytes // 8) * 8  # the run list's place behind the data (int64-aligned)
+        inline = hb == 0 or (room is not None and at + hb <= room.numel())
+        flags = [int(failed is not None), nbytes, hb, int(done), int(inline)]
         gathered = self._all_gather(flags)
         bad = [r for r, g in enumerate(gathered) if g[0]]
         if bad:
@@ -166,10 +186,19 @@ class _Exchange:
             reasons = all_gather_object((self.global_rank, reason), self.group, self.device)
             first = reasons[bad[0]]
             raise _Stop(first[0], first[1], own=failed)
-        sizes = [g[1] for g in gathered]
-        headers = self._headers(header, [g[2] for g in gathered])
-        if sum(sizes):
-            self.flying = self._send(data if nbytes else None, sizes, headers)
+        if all(g[4] for g in gathered):  # every run list rides behind its rank's bytes
+            if header is not None and room is not None:
+                room[at : at + hb].copy_(torch.from_numpy(header.reshape(-1).view(np.uint8)))
+            sizes = [-(-g[1] // 8) * 8 + g[2] if g[2] else g[1] for g in gathered]
+            spans = [(-(-g[1] // 8) * 8, g[2]) for g in gathered]
+            send = room[: at + hb] if header is not None and room is not None else None
+            if sum(sizes):
+                self.flying = self._send(send, sizes, [None] * self.world, spans)
+        else:
+            sizes = [g[1] for g in gathered]
+            headers = self._headers(header, [g[2] for g in gathered])
+            if sum(sizes):
+                self.flying = self._send(data if nbytes else None, sizes, headers, [(0, 0)] * self.world)
         return all(g[3] for g in gathered)
 
     def _all_gather(self, flags: list[int]) -> list[list[int]]:
@@ -204,17 +233,24 @@ class _Exchange:
             at += n
         return out
 
-    def _send(self, data: torch.Tensor | None, sizes: list[int], headers: list[np.ndarray]) -> _Bucket:
-        """Starts moving this step's bytes to the writer (rank 0: into the free receive buffer)."""
+    def _send(
+        self,
+        data: torch.Tensor | None,
+        sizes: list[int],
+        headers: Sequence[np.ndarray | None],
+        spans: list[tuple[int, int]],
+    ) -> _Bucket:
+        """Starts moving this step's bytes to the writer (rank 0: into the free receive buffer);
+        each rank's run list given (``headers``) or at ``spans`` (offset, bytes) in its bytes."""
         send = torch.empty(0, dtype=torch.uint8, device=self.device) if data is None else data.to(self.device)
         total = sum(sizes)
         recv = torch.empty(0, dtype=torch.uint8, device=self.device)
-        segments: list[tuple[int, np.ndarray]] = []
+        segments: list[_Segment] = []
         if self.rank == 0:
             recv = self._slot(total)
             base = 0
-            for n, runs in zip(sizes, headers, strict=True):
-                segments.append((base, runs))
+            for n, runs, (runs_at, runs_bytes) in zip(sizes, headers, spans, strict=True):
+                segments.append(_Segment(base, runs, runs_at, runs_bytes))
                 base += n
         in_splits = [0] * self.world
         in_splits[0] = send.numel()
@@ -260,10 +296,15 @@ class _Exchange:
                 return exc
         return None
 
-    def _write(self, recv: torch.Tensor, segments: list[tuple[int, np.ndarray]]) -> None:
+    def _write(self, recv: torch.Tensor, segments: list[_Segment]) -> None:
         """The write thread: every rank's runs of one bucket."""
-        view = memoryview(recv.numpy())  # type: ignore[arg-type]
-        for base, runs in segments:
+        flat = recv.numpy()
+        view = memoryview(flat)  # type: ignore[arg-type]
+        for seg in segments:
+            base, runs = seg.base, seg.runs
+            if runs is None:
+                start = base + seg.runs_at
+                runs = flat[start : start + seg.runs_bytes].view(np.int64).reshape(-1, _RUN_FIELDS)
             for f, off, at, n, count, stride in runs.tolist():
                 fd = self.fds[self.files[f]]
                 for j in range(count):
@@ -287,19 +328,22 @@ class _SendPacker(_Packer):
     """The owners packer, whose full buffer goes to the writer instead of to ``pwrite``; two
     buffers, so one is packed while the other is on the wire."""
 
-    def __init__(self, bucket_bytes: int, exchange: _Exchange, stats: WriteStats) -> None:
-        super().__init__(bucket_bytes, {}, stats)
+    def __init__(self, share: int, room: int, exchange: _Exchange, stats: WriteStats) -> None:
+        super().__init__(share + room, {}, stats)
         self.exchange = exchange
-        self.spare = torch.empty(bucket_bytes, dtype=torch.uint8)
-        self.stats.peak_buffer_bytes = max(self.stats.peak_buffer_bytes, 2 * bucket_bytes)
+        self.share = share
+        self.full, self.spare = self.buf, torch.empty(share + room, dtype=torch.uint8)
+        self.buf = self.full[:share]  # packed up to the share; the rest is room for the run list
+        self.stats.peak_buffer_bytes = max(self.stats.peak_buffer_bytes, 2 * (share + room))
 
     def flush(self) -> None:
         end = max((at + n for _f, _o, at, n in self.runs), default=0)
-        self.exchange.step(self.buf[:end], self.runs, done=False)
+        self.exchange.step(self.buf[:end], self.runs, done=False, room=self.full)
         self.runs.clear()
         self.pos = 0
         # The buffer just sent is on the wire until the next step lands it: pack into the other.
-        self.buf, self.spare = self.spare, self.buf
+        self.full, self.spare = self.spare, self.full
+        self.buf = self.full[: self.share]
 
 
 def write_src(
@@ -339,13 +383,15 @@ def write_src(
         return write_owners(plan, layout, fds, bucket_bytes, bar)
     stats = WriteStats(bar=bar)
     files = [f.name for f in layout.files]
-    share = max(_ALIGN, bucket_bytes // (2 * world) // _ALIGN * _ALIGN)
-    exchange = _Exchange(group, device or torch.device("cpu"), fds, files, stats, share)
+    per_rank = max(2 * _ALIGN, bucket_bytes // (2 * world) // _ALIGN * _ALIGN)
+    room = max(_ALIGN, per_rank // 8 // _ALIGN * _ALIGN)  # the run list's, behind the data
+    share = per_rank - room
+    exchange = _Exchange(group, device or torch.device("cpu"), fds, files, stats, per_rank)
     try:
         try:
             if plan.pieces:
                 # The owners loop, with a packer that sends: the pieces, their cuts and casts are the same.
-                pack_all(plan, layout, _SendPacker(share, exchange, stats))
+                pack_all(plan, layout, _SendPacker(share, room, exchange, stats))
             while not exchange.step(None, [], done=True):
                 pass
         except _Stop:
