@@ -115,9 +115,9 @@ def test_five_syncs_in_a_row_flat_memory(found: dict[str, Any], key: str) -> Non
     for r in found[key]:
         assert r["after_five_diff"] == [] and r["after_five_spread"] <= r.get("fresh_spread", 0.0)
         rss = r["five_rss"]
-        # syncs 2..5 together grow the process by less than one pass's bytes (a leaked group or
-        # model per sync would be several)
-        assert rss[-1] - rss[1] < r["report"].bytes, rss
+        # syncs 2..5 together grow the process by less than two passes' bytes (a pass leaked per
+        # sync would be four; malloc's arenas move by a fraction of a pass on these tiny models)
+        assert rss[-1] - rss[1] < 2 * r["report"].bytes, rss
 
 
 def test_groups_are_vllms_layerwise_groups(found: dict[str, Any]) -> None:
@@ -172,8 +172,8 @@ def test_separate_engine_five_syncs_flat(found: dict[str, Any], key: str) -> Non
     assert r0["after_five_diff"] == [] and r0["after_five_spread"] <= r0["fresh_spread"]
     for r in ranks:
         rep, rss, engine = r[key]["report"], r[key]["five_rss"], r[key]["five_engine_rss"]
-        assert rss[-1] - rss[1] < rep.bytes, rss  # each trainer rank
-        assert 0 < engine[0] and engine[-1] - engine[1] < rep.bytes, engine  # the engine's process
+        assert rss[-1] - rss[1] < 2 * rep.bytes, rss  # each trainer rank (see the colocated test)
+        assert 0 < engine[0] and engine[-1] - engine[1] < 2 * rep.bytes, engine  # the engine's process
 
 
 def test_separate_engine_named_errors_on_every_rank(found: dict[str, Any]) -> None:

@@ -144,16 +144,24 @@ class HubSource:
         unknown = [k for k in self.aliases if k not in self.layout.tensors]
         if unknown:
             raise SaveError(f"aliases name tensors the trainer does not have: {unknown}", tensor=unknown[0])
-        entries: list[tuple[str, str, tuple[int, ...]]] = []
-        for name, h in self.layout.tensors.items():
-            entries.append((name, h.dtype, h.shape))
-            entries.extend((a, h.dtype, h.shape) for a in self.aliases.get(name, ()))
-        self._groups = plan_groups(entries)
+        entries = [(name, h.dtype, h.shape) for name, h in self.layout.tensors.items()]
+        # An alias is the same slot again under the engine's other name, in its tensor's group:
+        # no bytes packed, sent or held twice (a tied embedding is the largest tensor of many models).
+        self._groups = [
+            Group(
+                g.index,
+                tuple(
+                    x
+                    for s in g.slots
+                    for x in (s, *(replace(s, name=a) for a in self.aliases.get(s.name, ())))
+                ),
+                g.nbytes,
+            )
+            for g in plan_groups(entries)
+        ]
         by_name: dict[str, list[Piece]] = {}
         for p in self.plan.pieces:
             by_name.setdefault(p.key, []).append(p)
-            for a in self.aliases.get(p.key, ()):
-                by_name.setdefault(a, []).append(replace(p, key=a))
         self._pieces = [[(s, p) for s in g.slots for p in by_name.get(s.name, ())] for g in self._groups]
         self.stats = SourceStats()
 
