@@ -358,3 +358,62 @@ def test_stale_temporary_directories_of_dead_saves_are_removed(
     _write(how, target, request)
     left = {k for k, n in names.items() if (tmp_path / n).exists()}
     assert left == {"live", "other_host", "other_target", "not_ours"}, left
+
+
+_DIE_AFTER_SWAP = """
+import os, signal, sys
+from torch import nn
+import streamload
+from streamload.save import directory
+target, die = sys.argv[1], sys.argv[2] == "die"
+if die:
+    real = directory.carry
+    def carry(t, n):
+        seen = real(t, n)
+        open(os.path.join(t, "made_during_save.txt"), "w").write("precious")
+        return seen
+    directory.carry = carry
+    directory.DirectoryCommit._settle = lambda self, old, seen: os.kill(os.getpid(), signal.SIGKILL)
+streamload.save_pretrained(nn.Linear(4, 4), target)
+"""
+
+
+@pytest.mark.parametrize("exchange", [True, False], ids=["renameat2", "rename-aside"])
+def test_a_save_killed_after_the_swap_loses_nothing(tmp_path: Path, exchange: bool) -> None:
+    """SIGKILL right after the swap, before the replaced directory is settled (it holds a file
+    made during the save), then another save to the same target: the replaced directory is
+    under a name no cleanup removes. (Before: after the exchange it sat at the temporary name,
+    and the next save's stale-directory cleanup removed it, the file made during the save too.)"""
+    target = tmp_path / "ckpt"
+    target.mkdir()
+    (target / "notes.txt").write_text("n")
+    script = _DIE_AFTER_SWAP
+    if not exchange:
+        script = script.replace("if die:", "directory.rename_exchange = lambda a, b: False\nif die:")
+    first = subprocess.run([sys.executable, "-c", script, str(target), "die"], capture_output=True)
+    assert first.returncode == -9, first.stderr[-2000:]
+    second = subprocess.run([sys.executable, "-c", script, str(target), "ok"], capture_output=True)
+    assert second.returncode == 0, second.stderr[-2000:]
+    kept = [p for p in tmp_path.iterdir() if target_dir.OLD_TAG in p.name]
+    assert len(kept) == 1 and (kept[0] / "made_during_save.txt").read_text() == "precious", kept
+    assert (target / "notes.txt").read_text() == "n" and (target / "model.safetensors").exists()
+    assert not [p for p in tmp_path.iterdir() if target_dir.TMP_TAG in p.name]
+
+
+def test_ctrl_c_during_a_one_process_commit_stays_an_interrupt(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One process (no meeting defers the signal): a Ctrl-C inside the carry is a
+    KeyboardInterrupt, not a SaveError; the target is untouched, nothing left. (Before:
+    SaveError "save failed: KeyboardInterrupt".)"""
+    target = tmp_path / "ckpt"
+    before = _old_checkpoint(target)
+
+    def interrupted(t: Path, n: Path) -> dict:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(directory, "carry", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        with open_output(target) as out:
+            out.write_file("config.json", b"{}")
+    assert _snapshot(target) == before and _leftovers(tmp_path) == []

@@ -116,6 +116,7 @@ class Output:
         self.global_rank = _global_rank(group)
         self.fds: dict[str, int] = {}
         self.finished = False
+        self.committing = False  # every rank agreed its writes succeeded: rank 0 commits
         self.interrupted: KeyboardInterrupt | None = None  # a deferred Ctrl-C this rank agreed on
         # This process's working directory when it lies in the target: the swap replaces that
         # directory, so the process re-enters the same path, in the new one, after the commit.
@@ -307,8 +308,19 @@ class Output:
         try:
             self._finish(local)
         except BaseException as exc:
-            if lost_peer(exc) and not self.swapped:  # lost inside one of the agreements below
+            if lost_peer(exc) and not self.committing:  # lost inside the first agreement below
                 self.directory.discard()
+            elif lost_peer(exc) and self.rank != 0:
+                # Lost while group rank 0 commits: it may have swapped the new checkpoint in. Its
+                # temporary directory is its own to remove (removing it here could race its rename);
+                # if rank 0 died, the next save to this target removes it (remove_stale).
+                raise SaveError(
+                    f"a rank was lost while rank 0 committed the save: {self.out_dir} holds the new "
+                    "checkpoint if the commit finished, else the previous one (never a mix)",
+                    file=str(self.out_dir),
+                    rank=getattr(exc, "rank", None),
+                    hint=str(exc),
+                ) from exc
             raise
         finally:
             self._reenter_cwd()
@@ -322,22 +334,29 @@ class Output:
                     os.chdir(self.out_dir)
 
     def _finish(self, local: BaseException | None) -> None:
+        committed: BaseException | None = None
         try:
             try:
                 self.agree(local)
             except SaveError:
                 self._discard()
                 raise
-            committed: BaseException | None = None
+            self.committing = True
             late: BaseException | None = None
             if self.rank == 0:
                 try:
                     self._commit()
                 except BaseException as exc:  # noqa: BLE001 - agreed below
                     if self.swapped:
-                        # Past the rename the save is committed: never remove the temporary
-                        # path here (it may hold the old checkpoint, the commit's to settle).
-                        log.warning("streamload: saved %s; after the rename: %r", self.out_dir, exc)
+                        # Past the rename the save is committed; what the settling did not finish
+                        # stays in the replaced directory (named here), never removed.
+                        log.warning(
+                            "streamload: saved %s; after the rename: %r (the replaced directory, if any "
+                            "is left, is at %s)",
+                            self.out_dir,
+                            exc,
+                            self.directory.aside,
+                        )
                         late = exc
                     else:
                         committed = exc
@@ -349,6 +368,8 @@ class Output:
         except SaveError:
             if isinstance(local, BaseException) and not isinstance(local, Exception):
                 raise local from None
+            if committed is not None and not isinstance(committed, Exception):
+                raise committed from None  # a Ctrl-C in the commit (one process: none deferred)
             if self.interrupted is not None:  # this rank's Ctrl-C, carried by the agreement
                 raise self.interrupted from None
             raise

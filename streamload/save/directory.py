@@ -217,8 +217,20 @@ class DirectoryCommit:
                     os.rmdir(target)
                     raise
             return None
-        if rename_exchange(tmp, target):
-            return tmp  # after the exchange the old directory sits at the temporary path
+        # The new directory leaves the temporary name first: after the exchange the replaced one
+        # sits where the new one was, and that must not be a name a cleanup removes (the next
+        # save's remove_stale, a surviving rank's discard) while the replaced directory may hold
+        # entries made during the save. A crash in between leaves the new directory under the
+        # aside name: nothing lost, nothing removed.
+        os.rename(tmp, self.aside)
+        try:
+            exchanged = rename_exchange(self.aside, target)
+        except BaseException:
+            os.rename(self.aside, tmp)
+            raise
+        if exchanged:
+            return self.aside
+        os.rename(self.aside, tmp)
         # No atomic exchange here: rename the old target aside first. A crash between the two
         # renames leaves the old directory under the aside name, never a mix.
         os.rename(target, self.aside)
@@ -231,12 +243,6 @@ class DirectoryCommit:
 
     def _settle(self, old: Path, seen: dict[str, Signature]) -> None:
         """Empties the replaced directory of what the new one holds, or keeps it with a warning."""
-        if old != self.aside:
-            try:  # off the temporary name, which remove_stale would take for a dead save's
-                if _move(old, self.aside):
-                    old = self.aside
-            except OSError as exc:
-                log.warning("streamload: could not rename %s to %s: %s", old, self.aside, exc)
         try:
             moved, left = settle(old, self.target, seen)
         except OSError as exc:
@@ -261,7 +267,9 @@ class DirectoryCommit:
             )
 
     def discard(self) -> None:
-        """Removes ``tmp`` (before the swap only: after it, ``tmp`` may hold the replaced directory)."""
+        """Removes ``tmp`` if it is still there (the new directory leaves that name before the swap;
+        the replaced one never takes it). Only the committing process may call it once the commit
+        started (another would remove files it is carrying or renaming)."""
         if self.swapped:
             return
         # Every rank of a save that lost a peer removes it at once: what one finds gone, another removed.
