@@ -43,18 +43,43 @@ class _Small(nn.Module):
         self.b = nn.Parameter(torch.randn(6, generator=g))
 
 
-def case_meshes(rank: int, world: int, *, out: str, layout: str, differ: bool) -> dict[str, Any]:
-    """Shards ``_Small`` (seeded by rank when ``differ``) over ``_mesh(layout)`` and saves it
-    over the world; returns what the save reported or raised."""
+def case_meshes(
+    rank: int,
+    world: int,
+    *,
+    out: str,
+    layout: str,
+    differ: bool,
+    dtypes: tuple[str, ...] = (),
+    save_dtype: str | None = None,
+    digest_fails: int | None = None,
+) -> dict[str, Any]:
+    """Shards ``_Small`` (seeded by rank when ``differ``; held in ``dtypes[rank]`` when given)
+    over ``_mesh(layout)`` and saves it over the world (cast to ``save_dtype``); the copies'
+    digest raises on rank ``digest_fails``. Returns what the save reported or raised."""
     from torch.distributed.tensor import Shard, distribute_tensor
+
+    import streamload.save.tiling as tiling
 
     mesh = _mesh(layout, rank, world)
     model = _Small(seed=rank if differ else 0)
+    if dtypes:
+        model.to(getattr(torch, dtypes[rank]))
     ref = {k: v.detach().clone() for k, v in model.state_dict().items()}
     for name in ("w", "b"):
         setattr(model, name, nn.Parameter(distribute_tensor(getattr(model, name).data, mesh, [Shard(0)])))
+    real = tiling._digest
+    if digest_fails == rank:
+
+        def digest(*args: Any) -> bytes:
+            raise MemoryError("injected while hashing a copy")
+
+        tiling._digest = digest
+    dtype = getattr(torch, save_dtype) if save_dtype else None
     try:
-        rep = streamload.save_pretrained(model, out, max_shard_size="5GB", writers="owners")
+        rep = streamload.save_pretrained(model, out, max_shard_size="5GB", writers="owners", dtype=dtype)
     except SaveError as exc:
         return {"error": str(exc), "tensor": exc.tensor, "rank": exc.rank, "ref": ref}
+    finally:
+        tiling._digest = real
     return {"bytes": rep.bytes_written, "ref": ref, "left": sorted(os.listdir(os.path.dirname(out)))}

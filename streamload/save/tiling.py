@@ -26,7 +26,7 @@ import hashlib
 import math
 from collections.abc import Sequence
 from dataclasses import replace
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -91,7 +91,7 @@ def check_tiling(
     copies = {region: ranks for region, ranks in holders.items() if len(ranks) > 1}
     if not copies:
         return plan
-    return _settle_copies(plan, mine, copies, keys, group, device)
+    return _settle_copies(plan, layout, mine, copies, keys, group, device)
 
 
 def _files_digest(layout: Layout) -> str:
@@ -164,6 +164,7 @@ def _refuse_gaps(layout: Layout, keys: list[str], holders: dict[Region, list[int
 
 def _settle_copies(
     plan: SavePlan,
+    layout: Layout,
     mine: list[Region],
     copies: dict[Region, list[int]],
     keys: list[str],
@@ -173,14 +174,25 @@ def _settle_copies(
     """Collective: the ranks holding a copy compare a digest of its bytes; equal copies are
     written by their lowest rank, different ones raise on every rank."""
     rank = dist.get_rank(group) if group is not None else 0
-    held = {
-        region: _digest(piece, plan)
-        for region, piece in zip(mine, plan.pieces, strict=True)
-        if region in copies
-    }
+    failed: Exception | None = None
+    held: dict[Region, bytes] | tuple[int, str] = {}
+    try:
+        held = {
+            region: _digest(piece, plan, layout)
+            for region, piece in zip(mine, plan.pieces, strict=True)
+            if region in copies
+        }
+    except Exception as exc:  # noqa: BLE001 - agreed below: the others are in the same gather
+        failed = exc
+        held = (_global([rank], group)[0], f"{type(exc).__name__}: {exc}")
     gathered = [held] if solo(group) else all_gather_object(held, group, device)
+    errors = [g for g in gathered if isinstance(g, tuple)]
+    if errors:
+        who, what = errors[0]
+        err = SaveError(f"comparing the copies' digests failed: {what}", rank=who)
+        raise err from failed
     for region, ranks in sorted(copies.items()):
-        values = {r: gathered[r][region] for r in ranks}
+        values = {r: cast(dict, gathered[r])[region] for r in ranks}
         if len(set(values.values())) > 1:
             differ = [r for r in ranks if values[r] != values[ranks[0]]]
             key = keys[region[0]]
@@ -200,11 +212,19 @@ def _settle_copies(
     return replace(plan, pieces=pieces)
 
 
-def _digest(piece: Piece, plan: SavePlan) -> bytes:
-    """A digest of the bytes this rank would write for ``piece`` (in its own dtype)."""
-    region = piece.view(local_of(plan.tensors[piece.target])).contiguous().cpu()
+def _digest(piece: Piece, plan: SavePlan, layout: Layout) -> bytes:
+    """A digest of the bytes this rank would write for ``piece``: its values cast to the output
+    dtype as the writer casts them (an fp8-quantized output: its own values, with their dtype),
+    so copies held in different dtypes compare by what lands in the file."""
+    region = piece.view(local_of(plan.tensors[piece.target]))
+    out = layout.tensors[piece.key].torch_dtype
+    if out.itemsize > 1 or not out.is_floating_point:
+        region = region.to(out)
+    region = region.contiguous().cpu()
+    h = hashlib.blake2b(str(region.dtype).encode(), digest_size=16)
     data: Any = region.reshape(-1).view(torch.uint8).numpy()  # a buffer: hashed without a copy
-    return hashlib.blake2b(data, digest_size=16).digest()
+    h.update(data)
+    return h.digest()
 
 
 def _global(ranks: Sequence[int], group: dist.ProcessGroup | None) -> list[int]:
