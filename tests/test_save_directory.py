@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import errno
 import os
+import shutil
 import stat
 import subprocess
 import sys
@@ -128,8 +129,8 @@ def test_ingest_never_replaces_a_destination_that_appears(
     target = tmp_path / "ckpt"
     real = directory.fsync_tree
 
-    def fsync_then_appear(root: Path) -> None:
-        real(root)
+    def fsync_then_appear(root: Path, linked: bool = True) -> None:
+        real(root, linked)
         target.mkdir()
 
     monkeypatch.setattr(directory, "fsync_tree", fsync_then_appear)
@@ -417,3 +418,33 @@ def test_ctrl_c_during_a_one_process_commit_stays_an_interrupt(
         with open_output(target) as out:
             out.write_file("config.json", b"{}")
     assert _snapshot(target) == before and _leftovers(tmp_path) == []
+
+
+def test_another_users_private_file_is_kept(tmp_path: Path) -> None:
+    """A file of another user this process may neither read nor link (mode 000, a saver without
+    CAP_DAC_OVERRIDE / DAC_READ_SEARCH / FOWNER, as a plain user is): the save succeeds and the
+    file stays, its owner and mode too (moved in after the swap). (Before: SaveError, permission
+    denied, with a hint that the directory was not writable.)"""
+    setpriv = shutil.which("setpriv")
+    if os.geteuid() != 0 or setpriv is None:
+        pytest.skip("needs root with setpriv to give a file to another user and drop the capabilities")
+    caps = "-dac_override,-dac_read_search,-fowner"
+    tmp_path.chmod(0o777)
+    target = tmp_path / "ckpt"
+    _old_checkpoint(target)
+    private = target / "private.txt"
+    private.write_text("secret")
+    os.chown(private, 65534, 65534)
+    private.chmod(0)
+    script = "import sys, torch, streamload; streamload.save_pretrained(torch.nn.Linear(8, 8), sys.argv[1])"
+    proc = subprocess.run(
+        [setpriv, f"--inh-caps={caps}", f"--bounding-set={caps}", sys.executable, "-c", script, str(target)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    st = os.lstat(private)
+    assert (st.st_uid, stat.S_IMODE(st.st_mode)) == (65534, 0) and private.read_text() == "secret"
+    assert (target / "model.safetensors").read_bytes() != b"old weights" * 100
+    assert _leftovers(tmp_path) == []

@@ -23,6 +23,7 @@ target must not exist, and the final rename never replaces one that appeared mea
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import ctypes.util
 import errno
@@ -109,14 +110,19 @@ def new_token() -> str:
     return f"{secrets.token_hex(8)}-{owner()}"
 
 
-def fsync_tree(root: Path) -> None:
-    """fsyncs every regular file under ``root``, then each directory (deepest first)."""
+def fsync_tree(root: Path, linked: bool = True) -> None:
+    """fsyncs every regular file under ``root``, then each directory (deepest first).
+
+    ``linked=False`` skips files with more than one link: a carried hard link's bytes are the
+    kept file's, already on disk, and this process may not be allowed to open it (another
+    user's file, linkable under ``fs.protected_hardlinks`` by a privileged saver)."""
     dirs = []
     for here, _sub, files in os.walk(root):
         dirs.append(Path(here))
         for f in files:
             p = Path(here) / f
-            if p.is_file() and not p.is_symlink():
+            st = os.lstat(p)
+            if stat.S_ISREG(st.st_mode) and (linked or st.st_nlink == 1):
                 fsync_path(p)
     for d in reversed(dirs):
         fsync_path(d)
@@ -189,7 +195,7 @@ class DirectoryCommit:
         present = self._check()
         seen = carry(self.target, self.tmp) if present else {}
         copy_dir_attrs(self.target if present else None, self.tmp)
-        fsync_tree(self.tmp)
+        fsync_tree(self.tmp, linked=False)
         old = self._swap(present)
         self.swapped = True
         try:
@@ -291,7 +297,7 @@ class _Carry:
         self.root = root
         self.dev = os.lstat(root).st_dev
         self.seen: dict[str, Signature] = {}
-        self.copies: list[tuple[Path, Path, int]] = []
+        self.copies: list[tuple[Path, Path, int, str]] = []
         self.dirs: list[tuple[Path, Path]] = []
         self.link_error: OSError | None = None
 
@@ -322,11 +328,11 @@ class _Carry:
                     os.link(s, d, follow_symlinks=False)
                 except OSError as exc:  # another device, not permitted, no hard links here
                     self.link_error = self.link_error or exc
-                    self.copies.append((s, d, st.st_size))
+                    self.copies.append((s, d, st.st_size, r))
                     self.seen[r] = signature(st)
 
     def check_room(self, new: Path) -> None:
-        need = sum(size for _s, _d, size in self.copies)
+        need = sum(copy[2] for copy in self.copies)
         vfs = os.statvfs(new)
         free = vfs.f_bavail * vfs.f_frsize
         if need > free:
@@ -363,8 +369,17 @@ def carry(target: Path, new: Path) -> dict[str, Signature]:
     walk.walk(target, new, "")
     if walk.copies:
         walk.check_room(new)
-        for s, d, _size in walk.copies:
-            shutil.copy2(s, d, follow_symlinks=False)
+        for s, d, _size, rel in walk.copies:
+            try:
+                shutil.copy2(s, d, follow_symlinks=False)
+            except PermissionError as exc:
+                # Neither linked nor readable by this process (another user's private file): not
+                # carried. After the swap ``settle`` moves it into the new directory (a rename
+                # needs no read access), or keeps the old directory with a warning naming it.
+                log.info("streamload: %s is not carried (%s); it is moved in after the swap", s, exc)
+                with contextlib.suppress(OSError):
+                    os.unlink(d)
+                walk.seen.pop(rel, None)
     # Deepest first, after their files: a read-only directory stays writable until it is filled.
     for s, d in reversed(walk.dirs):
         shutil.copystat(s, d, follow_symlinks=False)
