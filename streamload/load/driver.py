@@ -155,7 +155,10 @@ def load_checkpoint(
     knobs = locals()  # every keyword above is a LoadOptions field of the same name
     options = LoadOptions(**{f.name: knobs[f.name] for f in fields(LoadOptions)})
     group = resolve_group(process_group, device_mesh)
-    with meeting("load_checkpoint", group, timeout, options.agreed()):
+    # The device type too: ranks that decide differently whether the load needs a gloo twin
+    # (a CPU model on one rank, a device model on another) would part ways in new_group.
+    agreed = {**options.agreed(), "device": resolve_device(model, device_mesh, group).type}
+    with meeting("load_checkpoint", group, timeout, agreed):
         clock.mark("meet")
         return run_load(model, path, options, clock=clock)
 

@@ -176,6 +176,8 @@ def save_pretrained(
         "writers": writers,
         "bucket_bytes": bucket,
         "quantize": quantize,
+        # Ranks that decide differently whether the save needs a gloo twin would part ways.
+        "device": resolve_device(model, device_mesh, group).type,
     }
     try:
         with meeting("save_pretrained", group, timeout, agreed):
