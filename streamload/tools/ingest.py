@@ -181,6 +181,8 @@ def ingest(
         out.commit()  # fsynced, then renamed into place unless DST appeared meanwhile
     except FileExistsError as exc:
         out.discard()
+        if exc.filename is not None and Path(exc.filename) != out.target and exc.filename2 is None:
+            raise  # another file (a copy into the temporary directory), not the destination
         raise CheckpointError("destination exists; ingest never overwrites", str(dst_p)) from exc
     except BaseException:
         out.discard()
