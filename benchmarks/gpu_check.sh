@@ -94,10 +94,16 @@ record() {
 }
 
 # run CHECK TIMEOUT_S CMD...: runs CMD (output to the console and OUT/CHECK.txt) under a time
-# limit; sets RC and TOOK (seconds).
+# limit (TIMEOUT_S, or less: the run's time left minus RESERVE); sets RC and TOOK (seconds).
+RESERVE=0
+if [ "$DRY" != 1 ]; then RESERVE=120; fi # the GPU tests and the bench keep this much of the loan
 run() {
-    local name="$1" limit="$2" t0=$SECONDS
+    local name="$1" limit="$2" t0=$SECONDS cap
     shift 2
+    # Never past the whole run's limit: what is left, less what the bench is kept (RESERVE).
+    cap=$(($(left) - RESERVE))
+    if [ "$cap" -lt 10 ]; then cap=10; fi
+    if [ "$limit" -gt "$cap" ]; then limit=$cap; fi
     echo "=== $name: $* (at most ${limit} s)"
     timeout --kill-after=10 "$limit" "$@" 2>&1 | tee "$OUT/$name.txt"
     RC=${PIPESTATUS[0]}
@@ -229,9 +235,11 @@ if [ "$DRY" = 1 ]; then
     record gpu_tests_multi_rank SKIP 0 "needs CUDA (tests/test_gpu.py, STREAMLOAD_FORCE_MULTI_RANK=1)"
     record bench SKIP 0 "bench_gpu.py needs CUDA (pinned host-to-device copies, one NCCL rank)"
 else
+    RESERVE=60 # the bench gets at least this much of the loan
     pytest_check gpu_tests 150 -m gpu tests/test_gpu.py tests/test_gpu_faults.py
     STREAMLOAD_FORCE_MULTI_RANK=1 pytest_check gpu_tests_multi_rank 120 -m gpu tests/test_gpu.py
     # --- bench: whatever time is left (at least 60 s: numbers beat a clean total) ----------
+    RESERVE=0
     budget=$(($(left) - 5))
     if [ "$budget" -gt 240 ]; then budget=240; fi
     if [ "$budget" -lt 60 ]; then budget=60; fi
