@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import errno
 import os
+import time
 import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -74,9 +75,15 @@ def injected(where: str, at: int) -> Iterator[None]:
             yield
         finally:
             write._Packer.add = real  # type: ignore[method-assign]
-    elif where == "pwrite":
+    elif where in ("pwrite", "slow_pwrite"):
         real_pwrite = os.pwrite
-        os.pwrite = _nth(at, lambda: OSError(errno.ENOSPC, os.strerror(errno.ENOSPC)), real_pwrite)
+
+        def full() -> OSError:
+            if where == "slow_pwrite":  # fails late: src's write thread, after the next step began
+                time.sleep(2.0)
+            return OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+        os.pwrite = _nth(at, full, real_pwrite)
         try:
             yield
         finally:

@@ -263,8 +263,8 @@ class _Exchange:
         """The receive buffer of this step: the one whose bytes were written, reused."""
         k = self.steps % 2
         pending = self.writes[k]
-        if pending is not None:
-            pending.result()  # its writes finished (a failure was reported when it landed)
+        if pending is not None:  # not reached: _land waited for this slot's writes before the all-gather
+            pending.result()
             self.writes[k] = None
         buf = self.slots[k]
         if buf is None or buf.numel() < total:
@@ -287,8 +287,11 @@ class _Exchange:
                 self.writes[bucket.slot] = self.pool.submit(self._write, host, bucket.segments)
         if self.rank != 0:
             return None
+        reuse = self.steps % 2  # the receive slot this step fills: its writes must have ended
         for k, pending in enumerate(self.writes):
-            if pending is None or not (drain or pending.done()):
+            # Waited for here, before the step's all-gather, so a write that fails late is this
+            # step's reported failure on every rank (never a raise between two collectives).
+            if pending is None or not (drain or k == reuse or pending.done()):
                 continue
             self.writes[k] = None
             exc = pending.exception()
