@@ -266,7 +266,11 @@ def _write_all(
             local = exc  # a KeyboardInterrupt too: skipping the agreement would hang the others
         out.agree(local)
         if plan.fp8 is not None:  # the amax of blocks cut by shard edges, agreed; the scales planned
-            plan = agree_fp8(plan, layout, out.group, out.device)
+            try:
+                plan = agree_fp8(plan, layout, out.group, out.device)
+            except BaseException as exc:  # noqa: BLE001 - after its gather: agreed here, not left alone
+                local = exc
+            out.agree(local)
         plan = check_tiling(layout, plan, out.group, out.device)
         clock.mark("tiling")
         out.create_files({f.name: f.size for f in layout.files})

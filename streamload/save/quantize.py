@@ -38,6 +38,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from ..errors import SaveError
 from ..io.copy_ops import TORCH_DTYPES
 from ..plan.buckets import split_box
 from ..plan.quant import fp8_scale_key
@@ -356,16 +357,23 @@ def agree_blocks(
     """
     keys = sorted(blocks.choice.keys)
     index = {k: i for i, k in enumerate(keys)}
-    mine: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
     cut_of: dict[Piece, torch.Tensor] = {}
-    for piece, grid in blocks.grids.items():
-        if not bool(grid.cut.any()):
-            continue
-        ids = _block_ids(grid, layout.tensors[fp8_scale_key(piece.key)].shape)[grid.cut]
-        cut_of[piece] = ids
-        mine.setdefault(index[piece.key], []).append((ids, grid.amax[grid.cut]))
-    payload = {k: (torch.cat([i for i, _ in v]), torch.cat([a for _, a in v])) for k, v in mine.items()}
+    payload: Any
+    try:
+        mine: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+        for piece, grid in blocks.grids.items():
+            if not bool(grid.cut.any()):
+                continue
+            ids = _block_ids(grid, layout.tensors[fp8_scale_key(piece.key)].shape)[grid.cut]
+            cut_of[piece] = ids
+            mine.setdefault(index[piece.key], []).append((ids, grid.amax[grid.cut]))
+        payload = {k: (torch.cat([i for i, _ in v]), torch.cat([a for _, a in v])) for k, v in mine.items()}
+    except Exception as exc:  # noqa: BLE001 - told to the peers in the same gather, raised on every rank
+        payload = f"{type(exc).__name__}: {exc}"
     gathered = [payload] if solo(group) else all_gather_object(payload, group, device)
+    failed = [(r, g) for r, g in enumerate(gathered) if isinstance(g, str)]
+    if failed:
+        raise SaveError(f"agreeing the fp8 blocks failed on group rank {failed[0][0]}: {failed[0][1]}")
     for piece, ids in cut_of.items():
         k = index[piece.key]
         parts = [g[k] for g in gathered if k in g]

@@ -20,7 +20,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..model.placement import resolve_device, resolve_group
-from ..save.layout import Layout, output_layout
+from ..save.layout import Layout, model_state, output_layout
 from ..transport.arrival import lost_peer, meeting
 from ..transport.protocol import carries_cpu, gather_or_raise
 from .errors import EngineDeadError, EngineMismatchError, SyncError
@@ -134,14 +134,15 @@ def _sync(model: nn.Module, llm: Any, dtype: torch.dtype | None, group: Any, dev
         aliases = tie_aliases(info["ties"], layout.tensors)
     except BaseException as exc:  # noqa: BLE001 - agreed below: the same error on every rank
         local = exc
-    every = gather_or_raise(aliases, local, rank, group, device)
-    if any(a != every[0] for a in every):
+    every = gather_or_raise((aliases, _plan_current(model)), local, rank, group, device)
+    if any(a[0] != every[0][0] for a in every):
         raise SyncError(
-            f"the engines tie different weights (rank 0: {every[0]}, others: {every})",
+            f"the engines tie different weights (rank 0: {every[0][0]}, others: {[a[0] for a in every]})",
             hint="every trainer rank's engine must serve the same model",
         )
     assert layout is not None
-    source = _source(model, dtype, aliases, group, device_mesh, layout)
+    reuse = all(a[1] for a in every)  # agreed: a rank that replaced a parameter re-plans with all
+    source = _source(model, dtype, aliases, group, device_mesh, layout, reuse=reuse)
     before = SourceStats(**vars(source.stats))
     outcome: dict[str, Any] = {}
     weights = iter(source)
@@ -190,9 +191,10 @@ def _sync_remote(
         aliases = tie_aliases(remote.info["ties"], layout.tensors)
     except BaseException as exc:  # noqa: BLE001 - agreed below
         local = exc
-    gather_or_raise(None, local, rank, group, device)
+    every = gather_or_raise(_plan_current(model), local, rank, group, device)
     assert layout is not None
-    source = _source(model, dtype, aliases, group, device_mesh, layout, (remote.pg, remote.engine_rank))
+    transfer = (remote.pg, remote.engine_rank)
+    source = _source(model, dtype, aliases, group, device_mesh, layout, transfer, reuse=all(every))
     before = SourceStats(**vars(source.stats))
     answer: dict[str, Any] | None = None
     try:
@@ -279,10 +281,11 @@ def _source(
     device_mesh: Any,
     layout: Layout,
     transfer: tuple[Any, int] | None = None,
+    reuse: bool = True,
 ) -> HubSource:
     key = (dtype, sorted((k, tuple(v)) for k, v in aliases.items()), id(group), id(transfer and transfer[0]))
     cached = _SOURCES.get(model)
-    if cached is not None and cached[0] == key:
+    if reuse and cached is not None and cached[0] == key:
         return cached[1]
     source = HubSource(
         model,
@@ -295,6 +298,16 @@ def _source(
     )
     _SOURCES[model] = (key, source)
     return source
+
+
+def _plan_current(model: nn.Module) -> bool:
+    """Whether the cached plan still holds the model's own tensors: a parameter or buffer replaced
+    since (``load_state_dict(assign=True)`` on resume, a re-``fully_shard``) would be read stale."""
+    cached = _SOURCES.get(model)
+    if cached is None:
+        return False
+    now = model_state(model)
+    return all(now.get(name) is t for name, t in cached[1].plan.tensors.items())
 
 
 def _as_sync_error(exc: BaseException | None, rank: int) -> BaseException | None:

@@ -144,6 +144,14 @@ class HubSource:
         unknown = [k for k in self.aliases if k not in self.layout.tensors]
         if unknown:
             raise SaveError(f"aliases name tensors the trainer does not have: {unknown}", tensor=unknown[0])
+        names = [a for v in self.aliases.values() for a in v]
+        clash = sorted({a for a in names if a in self.layout.tensors or names.count(a) > 1})
+        if clash:
+            # An alias that is itself a tensor sent (or named twice) would take that tensor's bytes
+            # into the aliased slot: refused, named.
+            raise SaveError(
+                f"aliases must be names the trainer does not send, each once: {clash}", tensor=clash[0]
+            )
         entries = [(name, h.dtype, h.shape) for name, h in self.layout.tensors.items()]
         # An alias is the same slot again under the engine's other name, in its tensor's group:
         # no bytes packed, sent or held twice (a tied embedding is the largest tensor of many models).
