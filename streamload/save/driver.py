@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..errors import RankLostError, SaveError
+from ..errors import MappingError, RankLostError, SaveError
 from ..model.placement import resolve_device, resolve_group
 from ..timeline import PhaseClock
 from ..transport.arrival import meeting
@@ -21,6 +21,7 @@ from ..transport.protocol import StatusRoute, carries_cpu, close_route, open_sta
 from .commit import Output, open_output
 from .gather import write_src
 from .layout import INDEX_NAME, Layout, output_layout, saved_config
+from .mapped import check_mapping, describe, mapped_layout
 from .plan import SavePlan, plan_save
 from .quantize import QUANTIZE, agree_fp8, plan_fp8
 from .tiling import check_tiling
@@ -62,6 +63,7 @@ def _small_files(
     tmp: str,
     write: bool,
     quantization: dict[str, Any] | None = None,
+    configs: bool = True,
 ) -> list[str]:
     """Index, config.json (with ``quantization`` as its ``quantization_config`` when given) and
     generation_config.json: their names on every rank, the files written where ``write`` (one rank)."""
@@ -71,6 +73,8 @@ def _small_files(
             with open(os.path.join(tmp, INDEX_NAME), "wb") as f:
                 f.write(layout.index)
         names.append(INDEX_NAME)
+    if not configs:  # weights only (mapping="state_dict", as accelerate's save_model)
+        return names
     cfg = saved_config(model, config, dtype)
     if cfg is not None and quantization is not None:
         cfg.quantization_config = quantization
@@ -116,6 +120,7 @@ def save_pretrained(
     bucket_bytes: int | None = None,
     timeout: float | None = None,
     quantize: str | None = None,
+    mapping: Any = None,
 ) -> SaveReport:
     """Writes ``model`` as the Hugging Face checkpoint transformers' ``save_pretrained``
     writes for the same gathered model; collective over the save's group.
@@ -151,6 +156,11 @@ def save_pretrained(
             ``weight_scale_inv`` per 128x128 block, ``quantization_config`` in config.json) for
             the weights transformers' fp8 quantizer converts; the rest as without it
             (``save.quantize``). None: no quantization.
+        mapping: the output names when they are not transformers' (``save.mapped``): a
+            torchtitan-style state-dict adapter (its ``to_hf`` names and shapes; the bytes by
+            the load's region form of its ``from_hf``, ``MappingError`` on every rank where
+            that form does not invert it), or ``"state_dict"``: the model's own state-dict
+            names, no conversion, weights only (accelerate's ``save_model``). None: transformers'.
 
     Returns:
         SaveReport for this rank.
@@ -168,6 +178,9 @@ def save_pretrained(
         raise ValueError(f"writers must be one of {WRITERS}, not {writers!r}")
     if quantize not in QUANTIZE:
         raise ValueError(f"quantize must be one of {QUANTIZE}, not {quantize!r}")
+    check_mapping(mapping)
+    if mapping is not None and quantize is not None:
+        raise ValueError("quantize and mapping cannot be combined")
     group = resolve_group(process_group, device_mesh)
     bucket = int(bucket_bytes) if bucket_bytes else DEFAULT_BUCKET_BYTES  # None == the default
     agreed = {
@@ -176,12 +189,13 @@ def save_pretrained(
         "writers": writers,
         "bucket_bytes": bucket,
         "quantize": quantize,
+        "mapping": describe(mapping),
         # Ranks that decide differently whether the save needs a gloo twin would part ways.
         "device": resolve_device(model, device_mesh, group).type,
     }
     try:
         with meeting("save_pretrained", group, timeout, agreed):
-            asked = _Asked(dtype, max_shard_size, writers, config, bucket, progress, quantize)
+            asked = _Asked(dtype, max_shard_size, writers, config, bucket, progress, quantize, mapping)
             return _save(model, out_dir, asked, group, device_mesh)
     except RankLostError as exc:  # a peer died: the save's promise is a SaveError, the lost ranks named
         raise SaveError(exc.reason, rank=exc.rank, hint=exc.hint) from exc
@@ -198,6 +212,7 @@ class _Asked:
     bucket: int
     progress: bool | None = None
     quantize: str | None = None
+    mapping: Any = None
 
 
 def _save(
@@ -253,10 +268,14 @@ def _write_all(
     the src writer's data over ``group`` on ``wire``."""
     clock.mark("open")
     local: BaseException | None = None
+    configs = True
     try:
         try:
             if asked.quantize == "fp8":
                 layout, plan = plan_fp8(model, asked.dtype, asked.max_shard_size, rank, asked.bucket)
+            elif asked.mapping is not None:
+                layout, tiles, configs = mapped_layout(model, asked.mapping, asked.dtype, asked.max_shard_size)
+                plan = plan_save(model, layout, rank, tiles)
             else:
                 layout = output_layout(model, dtype=asked.dtype, max_shard_size=asked.max_shard_size)
                 clock.mark("layout")
@@ -304,13 +323,18 @@ def _write_all(
             report.bytes_written += write_headers(layout, fds)
         quantization = plan.fp8.choice.config() if plan.fp8 is not None else None
         small = _small_files(
-            model, asked.config, asked.dtype, layout, str(out.tmp_dir), rank == 0, quantization
+            model, asked.config, asked.dtype, layout, str(out.tmp_dir), rank == 0, quantization, configs
         )
         report.files = [f.name for f in layout.files] + small
         clock.mark("write")
     except BaseException as exc:
         # This rank's own planning failure when the agreement raised for it: finish re-raises
         # an interrupt as itself on this rank.
-        out.finish(ok=False, error=local if local is not None else exc)
+        try:
+            out.finish(ok=False, error=local if local is not None else exc)
+        except SaveError:
+            if isinstance(local, MappingError):  # planned alike on every rank: the mapping's own error
+                raise local from None
+            raise
         raise
     out.finish(ok=True)

@@ -306,9 +306,12 @@ def output_layout(
     return layout_of(hub_state(model, dtype), model, max_shard_size)
 
 
-def layout_of(hub: dict[str, torch.Tensor], model: nn.Module, max_shard_size: int | str) -> Layout:
+def layout_of(
+    hub: dict[str, torch.Tensor], model: nn.Module, max_shard_size: int | str, total_parameters: bool = True
+) -> Layout:
     """The files, headers and index of the hub tensors ``hub`` (meta tensors, views sharing
-    the storage transformers' splitter groups by), split by ``max_shard_size``.
+    the storage transformers' splitter groups by), split by ``max_shard_size``; the index's
+    metadata names ``total_parameters`` as transformers' does (not accelerate's: False).
 
     Example:
         >>> layout_of(hub_state(model), model, "5GB").files[0].name
@@ -348,7 +351,9 @@ def layout_of(hub: dict[str, torch.Tensor], model: nn.Module, max_shard_size: in
     index = None
     if split.is_sharded:
         doc = {
-            "metadata": {"total_parameters": _num_parameters(model), **split.metadata},
+            "metadata": {"total_parameters": _num_parameters(model), **split.metadata}
+            if total_parameters
+            else dict(split.metadata),
             "weight_map": dict(split.tensor_to_filename),
         }
         index = (json.dumps(doc, indent=2, sort_keys=True) + "\n").encode()
