@@ -82,3 +82,36 @@ def case_hsdp_save(rank: int, world: int, *, ckpt: str, out: str, writers: tuple
     streamload.load_checkpoint(model, ckpt, device_mesh=mesh, bucket_bytes=4096, progress=False)
     replica = mesh.get_local_rank("replicate")
     return {"replica": replica, "saves": _saves(model, out, writers)}
+
+
+def case_pp_stage_save(
+    rank: int, world: int, *, ckpts: tuple[str, str], out: str, writers: tuple[str, ...]
+) -> dict[str, Any]:
+    """A (pp, dp, tp) mesh of 2 x 2 x 1: each pipeline stage holds another model, sharded by FSDP
+    over its own ``mesh["dp"]``, and saves it through its 2-D ``mesh["dp", "tp"]`` at the same
+    time as the other stage: the save runs over that mesh's ranks (a group made by them alone),
+    never the default group, and the world stays in step afterwards."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (2, 2, 1), mesh_dim_names=("pp", "dp", "tp"))
+    stage = mesh.get_coordinate()[0]
+    sub = mesh["dp", "tp"]
+    ckpt = ckpts[stage]
+    model = _meta_model(ckpt)
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=sub["dp"])
+    fully_shard(model, mesh=sub["dp"])
+    error = ""
+    if stage == 1:  # src_rank is a global rank: 0 is not in this stage's group
+        try:
+            _load(model, ckpt, rank, sub, "owners")
+        except streamload.PlacementError as exc:
+            error = str(exc)
+    _load(model, ckpt, rank, sub, "owners", src_rank=min(sub.mesh.flatten().tolist()))
+    got = _saves(model, f"{out}{stage}", writers, device_mesh=sub)
+    t = torch.ones(1)
+    dist.all_reduce(t)  # every rank of the world, after both stages' saves
+    return {"stage": stage, "saves": got, "world_sum": float(t.item()), "error": error}

@@ -121,3 +121,20 @@ def test_hsdp_one_replica_writes(group: RankGroup, ckpts, tmp_path: Path) -> Non
     assert [r["saves"]["owners"]["bytes"] for r in res if r["replica"] == 1] == [0, 0], res
     assert all(r["saves"]["owners"]["bytes"] > 0 for r in res if r["replica"] == 0), res
     assert sum(r["saves"]["owners"]["bytes"] for r in res) == res[0]["saves"]["src"]["bytes"], res
+
+
+def test_pipeline_stages_save_over_their_own_2d_mesh(group: RankGroup, ckpts, tmp_path: Path) -> None:
+    """Two pipeline stages save two models at once, each over its 2-D ``mesh["dp", "tp"]``
+    (2 of the 4 ranks): both outputs equal transformers' save, each byte written once."""
+    pair = (ckpts["llama"], ckpts["qwen3_moe"])
+    out = tmp_path / "out"
+    res = group.run(cases.case_pp_stage_save, timeout=300, ckpts=pair, out=str(out), writers=("owners", "src"))
+    assert [r["stage"] for r in res] == [0, 0, 1, 1] and {r["world_sum"] for r in res} == {4.0}, res
+    # src_rank is global: stage 1's group [2, 3] does not hold the default 0 (named, both ranks).
+    assert all("src_rank=0 is not a rank of the load's group (global ranks [2, 3])" in r["error"] for r in res[2:])
+    for stage, ckpt in enumerate(pair):
+        mine = [r["saves"] for r in res if r["stage"] == stage]
+        for w in ("owners", "src"):
+            _check(ckpt, tmp_path / f"out{stage}-{w}", tmp_path)
+        written = _weight_bytes(tmp_path / f"out{stage}-src")
+        assert sum(s["owners"]["bytes"] for s in mine) == written == mine[0]["src"]["bytes"], res

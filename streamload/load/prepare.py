@@ -249,6 +249,13 @@ def prepare(
         early, state, ties_here = exc, ModelState({}, {}, []), TieLayout("")
     clock.mark("state")
     src_rank = options.src_rank
+    if group is not None and src_rank not in (members := dist.get_process_group_ranks(group)):
+        # Every rank of the group decides alike, before any collective (torch's own error would
+        # be a ValueError out of the first broadcast).
+        raise PlacementError(
+            f"src_rank={src_rank} is not a rank of the load's group (global ranks {sorted(members)}): "
+            f"pass src_rank={min(members)}, the group's first rank, or a group that holds rank {src_rank}"
+        )
     if opened is None:
         opened = open_source(
             path,
