@@ -160,7 +160,7 @@ class FakeBackend:
         self.compute = FakeStream("compute") if compute == "stream" else None
 
     def host_buffer(self, nbytes: int, lock: bool = True) -> torch.Tensor:
-        self.hosts.append(torch.empty(nbytes, dtype=torch.uint8))
+        self.hosts.append(torch.full((nbytes,), POISON, dtype=torch.uint8))
         self.rec["slots"] += 1
         return self.hosts[-1]
 
@@ -174,6 +174,8 @@ class FakeBackend:
         raise AssertionError("copy from memory that is not a host slot")
 
     def copy(self, dst: torch.Tensor, src: torch.Tensor, after: Any) -> FakeEvent:
+        if any(h.untyped_storage().data_ptr() == dst.untyped_storage().data_ptr() for h in self.hosts):
+            return self._download(dst, src, after)
         slot = self._slot(src)
         prev = self.last.get(slot)
         if prev is not None and not prev.done:
@@ -193,6 +195,28 @@ class FakeBackend:
         self.last[slot] = event
         self.events.append(event)
         self.rec["copies"] += 1
+        return event
+
+    def _download(self, dst: torch.Tensor, src: torch.Tensor, after: Any) -> FakeEvent:
+        """Device -> host slot (a save's read): runs when something waits for it (lazy) or at
+        once (eager), after ``after``; a slot read before its event was waited for holds the
+        bytes of its previous copy (or POISON), a slot refilled while the host still reads it
+        changes under the reader."""
+        slot = self._slot(dst)
+        prev = self.last.get(slot)
+        if prev is not None and not prev.done:
+            self.rec["violations"].append(f"slot {slot} refilled while its previous copy was outstanding")
+
+        def run() -> None:
+            after.synchronize()
+            dst.copy_(src)
+
+        self.stream.submit(run)
+        event = self.stream.record()
+        self.last[slot] = event
+        self.events.append(event)
+        self.rec["copies"] += 1
+        self.rec["downloads"] = self.rec.get("downloads", 0) + 1
         return event
 
     def compute_waits(self, event: Any) -> None:
@@ -593,3 +617,41 @@ def case_save_side_group(rank: int, world: int, *, ckpt: str, out: str) -> dict:
         "errors": errors,
         "on_world": on_world,
     }
+
+
+def case_fake_save(
+    rank: int, world: int, *, ckpt: str, out: str, eager: bool, skip_wait: bool = False
+) -> dict:
+    """Saves (owners and src, fp8 too) with the shards staged through the asynchronous fake device
+    (``save.stage``): every piece leaves the "device" by a copy into a host slot. ``skip_wait``
+    hands a slot out without waiting for its copy (the test sees wrong bytes)."""
+    from streamload.save import stage
+
+    mesh = mesh_for(world)
+    model = streamload.from_pretrained(ckpt, device_mesh=mesh, progress=False, dtype=torch.float32)
+    saves = {
+        "owners": {"writers": "owners"},
+        "src": {"writers": "src"},
+        "bf16": {"writers": "owners", "dtype": torch.bfloat16},
+        "fp8": {"writers": "src", "quantize": "fp8"},
+    }
+    for name, kw in saves.items():  # the reference: nothing staged (the CPU)
+        streamload.save_pretrained(model, f"{out}-ref-{name}", bucket_bytes=4096, max_shard_size="16KB", **kw)
+    FakeBackend.LOG.clear()
+    staging.BACKENDS["cpu"] = FakeBackend
+    FakeBackend.EAGER = eager
+    real_ready = stage.DeviceReader._ready
+    if skip_wait:
+        stage.DeviceReader._ready = lambda self, pending: (pending[0], pending[1])  # type: ignore[method-assign]
+    reports = {}
+    try:
+        for name, kw in saves.items():
+            rep = streamload.save_pretrained(
+                model, f"{out}-{name}", bucket_bytes=4096, max_shard_size="16KB", **kw
+            )
+            reports[name] = rep.bytes_written
+    finally:
+        del staging.BACKENDS["cpu"]
+        FakeBackend.EAGER = False
+        stage.DeviceReader._ready = real_ready  # type: ignore[method-assign]
+    return {"log": list(FakeBackend.LOG), "bytes": reports}

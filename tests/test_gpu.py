@@ -211,13 +211,27 @@ def test_fsdp2_cpu_offload_returns_finished_copies(mesh, ckpts) -> None:
 
 
 @pytest.mark.parametrize("writers", ["owners", "src"])
-def test_save_round_trip_on_the_gpu(mesh, ckpts, tmp_path: Path, writers: str) -> None:
+def test_save_round_trip_on_the_gpu(
+    mesh, ckpts, tmp_path: Path, writers: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """fp32 masters on the GPU saved in the checkpoint's bf16: transformers' files, byte for byte
-    (the checkpoint is transformers' own save), read back by transformers as the same model."""
+    (the checkpoint is transformers' own save), read back by transformers as the same model.
+    Every piece left the device through the two page-locked slots (``save.stage``)."""
     from safetensors.torch import load_file
 
     import streamload
     from streamload.io.copy_ops import bit_view
+    from streamload.save import stage
+    from streamload.transport.staging import registered_bytes
+
+    readers: list[stage.DeviceReader] = []
+    real_init = stage.DeviceReader.__init__
+
+    def init(self: stage.DeviceReader, *args: Any, **kwargs: Any) -> None:
+        real_init(self, *args, **kwargs)
+        readers.append(self)
+
+    monkeypatch.setattr(stage.DeviceReader, "__init__", init)
 
     ckpt = ckpts["moe"]
     model = streamload.from_pretrained(ckpt, device_mesh=mesh, dtype=torch.float32, progress=False)
@@ -238,9 +252,25 @@ def test_save_round_trip_on_the_gpu(mesh, ckpts, tmp_path: Path, writers: str) -
                 assert torch.equal(bit_view(got[key]), bit_view(value)), (name, key)
         assert (out / name).read_bytes() == (Path(ckpt) / name).read_bytes(), name
     _assert_equal(_reference(str(out), torch.float32), _reference(ckpt, torch.float32))
+    assert readers and all(r.staging == "pinned" and r.copies > 0 for r in readers), readers
+    assert registered_bytes() == 0  # the slots were unregistered
     # Nothing stays behind on the device, and the save's gloo twin (if any) is gone.
     gc.collect()
     assert torch.cuda.memory_allocated() <= before[0] and _process_groups() == before[1]
+
+
+def test_fp8_save_from_the_gpu_equals_the_cpu_save(mesh, ckpts, tmp_path: Path) -> None:
+    """quantize="fp8" of GPU shards: staged to the host in float32, quantized there, the same
+    files as the save of the same weights held on the CPU."""
+    import streamload
+
+    ckpt = ckpts["moe"]
+    gpu = streamload.from_pretrained(ckpt, device_mesh=mesh, dtype=torch.float32, progress=False)
+    cpu = _reference(ckpt, torch.float32)
+    streamload.save_pretrained(gpu, tmp_path / "gpu", quantize="fp8", max_shard_size="30KB")
+    streamload.save_pretrained(cpu, tmp_path / "cpu", quantize="fp8", max_shard_size="30KB")
+    for p in sorted((tmp_path / "cpu").iterdir()):
+        assert (tmp_path / "gpu" / p.name).read_bytes() == p.read_bytes(), p.name
 
 
 def test_one_gpu_takes_the_multi_rank_paths(mesh, ckpts, tmp_path: Path) -> None:

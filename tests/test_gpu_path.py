@@ -419,3 +419,34 @@ def test_save_agreements_on_a_side_group_per_save(group: RankGroup, ckpt: str, t
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     assert not (tmp_path / "out-fails").exists()
     assert not [p for p in tmp_path.iterdir() if ".streamload-" in p.name]
+
+
+def _tree(root: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(root.iterdir())}
+
+
+@pytest.mark.parametrize("eager", [False, True], ids=["lazy", "eager"])
+def test_save_of_device_shards_stages_through_host_slots(
+    group: RankGroup, ckpt: str, tmp_path: Path, eager: bool
+) -> None:
+    """A save of device shards reads every piece into two host slots through the device's copy
+    stream (the fake: copies run only when waited for, or at once) and writes exactly what the
+    unstaged save writes: owners, src, a bf16 cast and fp8 (cast and quantized on the host)."""
+    out = tmp_path / "out"
+    res = group.run(cases.case_fake_save, ckpt=ckpt, out=str(out), eager=eager)
+    for name in ("owners", "src", "bf16", "fp8"):
+        assert _tree(tmp_path / f"out-{name}") == _tree(tmp_path / f"out-ref-{name}"), name
+    for r in res:
+        logs = r["log"]
+        assert len(logs) == 4 * 1 and all(x["released"] and x["slots"] == 2 for x in logs), logs
+        assert all(x.get("downloads", 0) > 0 and x["violations"] == [] for x in logs), logs
+
+
+def test_save_that_reads_a_slot_before_its_copy_writes_wrong_bytes(
+    group: RankGroup, ckpt: str, tmp_path: Path
+) -> None:
+    """The wait is needed: a slot handed out before its copy ran holds the previous piece (or
+    the fake's poison), and the files differ from the unstaged save's."""
+    out = tmp_path / "out"
+    group.run(cases.case_fake_save, ckpt=ckpt, out=str(out), eager=False, skip_wait=True)
+    assert _tree(tmp_path / "out-owners") != _tree(tmp_path / "out-ref-owners")

@@ -23,6 +23,7 @@ from ..plan.regions import Box
 from ..report import progress_enabled
 from .layout import HubTensor, Layout
 from .plan import Piece, SavePlan, local_of
+from .stage import device_reader
 
 _ALIGN = 16
 
@@ -218,9 +219,12 @@ def write_headers(layout: Layout, fds: dict[str, int]) -> int:
 
 def pack_all(plan: SavePlan, layout: Layout, packer: _Packer) -> None:
     """Every piece of ``plan`` through ``packer`` (cut to its buffer), then a last flush: the
-    owners writer's loop, so both writers cut, cast and quantize identically."""
+    owners writer's loop, so both writers cut, cast and quantize identically. Pieces of device
+    shards are read into page-locked host slots first (``save.stage``): the cast and the fp8
+    quantization run on the host."""
     limit = packer.buf.numel()
     fp8 = plan.fp8
+    parts: list[tuple[tuple[HubTensor, Box, Piece], torch.Tensor]] = []
     for piece in plan.pieces:
         h = layout.tensors[piece.key]
         src = piece.view(local_of(plan.tensors[piece.target]))
@@ -230,5 +234,8 @@ def pack_all(plan: SavePlan, layout: Layout, packer: _Packer) -> None:
             part = src
             for d, ((lo, hi), (b0, _)) in enumerate(zip(sub, box, strict=True)):
                 part = part.narrow(d, lo - b0, hi - lo)
+            parts.append(((h, sub, piece), part))
+    with device_reader([p for _k, p in parts]) as reader:
+        for (h, sub, piece), part in parts if reader is None else reader.stream(parts):
             packer.add(h, sub, part if fp8 is None else fp8.quantize(piece, sub, part))
     packer.flush()

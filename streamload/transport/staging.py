@@ -328,8 +328,10 @@ class CudaBackend:
     def copy(self, dst: torch.Tensor, src: torch.Tensor, after: Event) -> Event:
         with _on(self.device), torch.cuda.stream(self.stream):
             self.stream.wait_event(after)  # type: ignore[arg-type]
-            # From pageable memory a copy is synchronous (the host waits for it, and for ``after``).
-            dst.copy_(src, non_blocking=src.untyped_storage().data_ptr() in self._locked)
+            # Between pageable memory and the device a copy is synchronous (the host waits for it,
+            # and for ``after``); a save's copies go the other way, into a registered slot.
+            locked = {src.untyped_storage().data_ptr(), dst.untyped_storage().data_ptr()} & self._locked
+            dst.copy_(src, non_blocking=bool(locked))
             event = torch.cuda.Event()
             event.record(self.stream)
         return event
