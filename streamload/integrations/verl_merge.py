@@ -171,3 +171,32 @@ def _save_processing(hf_path: str, target_dir: str, trust_remote_code: bool) -> 
         processor.save_pretrained(target_dir)
     if tokenizer is not None:
         tokenizer.save_pretrained(target_dir)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``torchrun --nproc-per-node W -m streamload.integrations.verl_merge LOCAL_DIR TARGET_DIR``:
+    ``merge_fsdp_checkpoint`` over a gloo group of the launcher's ranks (the merge runs on the CPU).
+    """
+    import argparse
+
+    parser = argparse.ArgumentParser(description=main.__doc__)
+    parser.add_argument("local_dir")
+    parser.add_argument("target_dir")
+    parser.add_argument("--hf-model-config-path", default=None)
+    parser.add_argument("--trust-remote-code", action="store_true")
+    args = parser.parse_args(argv)
+    dist.init_process_group("gloo")
+    try:
+        merge_fsdp_checkpoint(
+            args.local_dir,
+            args.target_dir,
+            hf_model_config_path=args.hf_model_config_path,
+            trust_remote_code=args.trust_remote_code,
+        )
+    finally:
+        dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
