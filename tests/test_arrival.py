@@ -147,9 +147,16 @@ def _run_partial(g: RankGroup, fn, survivors: list[int], timeout: float, **kwarg
     return out
 
 
-@pytest.mark.parametrize("world", [2, 3])
-@pytest.mark.parametrize("entry, mode", [("load_checkpoint", "src"), ("load_checkpoint", "owners"),
-                                         ("save_pretrained", "src"), ("save_pretrained", "owners")])  # fmt: skip
+# Each entry and mode once at 2 or 3 ranks in the default run (about 14 s each); the rest --runslow.
+_KILLED = [(w, e, m) for w in (2, 3) for e in ("load_checkpoint", "save_pretrained") for m in ("src", "owners")]
+_KILLED_DEFAULT = {(2, "load_checkpoint", "src"), (3, "load_checkpoint", "owners"),
+                   (2, "save_pretrained", "owners"), (3, "save_pretrained", "src")}  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "world, entry, mode",
+    [pytest.param(*c, marks=() if c in _KILLED_DEFAULT else pytest.mark.slow, id=f"{c[1]}-{c[2]}-{c[0]}") for c in _KILLED],
+)  # fmt: skip
 def test_rank_killed_mid_call_is_named(ckpt: str, tmp_path, world: int, entry: str, mode: str) -> None:
     g = RankGroup(world)
     try:
