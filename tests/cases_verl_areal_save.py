@@ -33,9 +33,7 @@ def tiny_tokenizer(vocab: int) -> Any:
 
 
 def _files(root: str) -> set[str]:
-    return {
-        os.path.relpath(os.path.join(d, f), root) for d, _, names in os.walk(root) for f in names
-    }
+    return {os.path.relpath(os.path.join(d, f), root) for d, _, names in os.walk(root) for f in names}
 
 
 def _tensors(root: str, names: set[str]) -> dict[str, tuple[str, tuple[int, ...], bytes]]:
@@ -69,7 +67,9 @@ def compare_dirs(
     allowed: list[str] = []
     fa, fb = _files(own), _files(ours)
     if fa != fb:
-        diff.append(f"files: only in the framework's {sorted(fa - fb)}, only in streamload's {sorted(fb - fa)}")
+        diff.append(
+            f"files: only in the framework's {sorted(fa - fb)}, only in streamload's {sorted(fb - fa)}"
+        )
     ta, tb = _tensors(own, fa), _tensors(ours, fb)
     dropped: set[str] = set()
     for alias, canonical in (aliases or {}).items():
@@ -78,8 +78,10 @@ def compare_dirs(
             del ta[alias]
             dropped.add(alias)
     if ta.keys() != tb.keys():
-        diff.append(f"tensors: only in the framework's {sorted(ta.keys() - tb.keys())[:8]}, "
-                    f"only in streamload's {sorted(tb.keys() - ta.keys())[:8]}")
+        diff.append(
+            f"tensors: only in the framework's {sorted(ta.keys() - tb.keys())[:8]}, "
+            f"only in streamload's {sorted(tb.keys() - ta.keys())[:8]}"
+        )
     for k in sorted(ta.keys() & tb.keys()):
         (da, sa, ba), (db, sb, bb) = ta[k], tb[k]
         if (da, sa) != (db, sb):
@@ -168,7 +170,9 @@ def case_verl_hf_model(rank: int, world: int, *, ckpt: str, out: str, flip: bool
         return {}
     a, b = os.path.join(out, "own", "huggingface"), os.path.join(out, "streamload", "huggingface")
     res = compare_dirs(a, b, LEGIT_VERL)
-    res["steps_equal"] = sorted(_files(os.path.join(out, "own"))) == sorted(_files(os.path.join(out, "streamload")))
+    res["steps_equal"] = sorted(_files(os.path.join(out, "own"))) == sorted(
+        _files(os.path.join(out, "streamload"))
+    )
     if flip:
         res["flipped"] = flip_check(a, b)
     return res
@@ -247,7 +251,10 @@ def case_verl_merge(rank: int, world: int, *, ckpt: str, out: str, flip: bool = 
     a, b = os.path.join(out, "own"), os.path.join(out, "streamload")
     if rank == 0:
         cfg = ModelMergerConfig(
-            operation="merge", backend="fsdp", local_dir=step, target_dir=a,
+            operation="merge",
+            backend="fsdp",
+            local_dir=step,
+            target_dir=a,
             hf_model_config_path=os.path.join(step, "huggingface"),
         )
         FSDPModelMerger(cfg).merge_and_save()

@@ -29,7 +29,9 @@ def ckpts(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     return {
         "dense": str(make_checkpoint(root / "dense", "qwen2", tie=True, seed=51, **SMALL_DENSE)),
         "moe": str(
-            make_checkpoint(root / "moe", "qwen3_moe", tie=True, seed=52, num_experts=5, max_shard_size="30KB")
+            make_checkpoint(
+                root / "moe", "qwen3_moe", tie=True, seed=52, num_experts=5, max_shard_size="30KB"
+            )
         ),
     }
 

@@ -33,7 +33,9 @@ def ckpts(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
         "dense": str(make_checkpoint(root / "dense", "qwen2", tie=True, seed=41, **SMALL_DENSE)),
         # transformers 5 writes qwen3_moe one tensor per expert; the model fuses them.
         "moe": str(
-            make_checkpoint(root / "moe", "qwen3_moe", tie=True, seed=42, num_experts=5, max_shard_size="30KB")
+            make_checkpoint(
+                root / "moe", "qwen3_moe", tie=True, seed=42, num_experts=5, max_shard_size="30KB"
+            )
         ),
     }
 

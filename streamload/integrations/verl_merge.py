@@ -99,7 +99,9 @@ def _fill(model: nn.Module, state: dict[str, Any]) -> None:
                 )
             dst, src = dst.to_local(), src.to_local()
         if dst.shape != src.shape or dst.dtype != src.dtype:
-            raise SaveError(f"{name}: the shard is {src.dtype}{list(src.shape)}, the model's {dst.dtype}{list(dst.shape)}")
+            raise SaveError(
+                f"{name}: the shard is {src.dtype}{list(src.shape)}, the model's {dst.dtype}{list(dst.shape)}"
+            )
         dst.copy_(src)
 
 

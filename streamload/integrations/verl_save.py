@@ -43,7 +43,7 @@ def verl_generation_config(model: nn.Module) -> Any:
     can_generate = getattr(model, "can_generate", None)
     if not callable(can_generate) or not can_generate():
         return None
-    config = getattr(model, "config")
+    config: Any = model.config
     if getattr(config, "name_or_path", None):
         try:
             return GenerationConfig.from_pretrained(config.name_or_path)
@@ -53,19 +53,20 @@ def verl_generation_config(model: nn.Module) -> Any:
 
 
 @contextlib.contextmanager
-def _generation_config(model: nn.Module, gen: Any) -> Iterator[None]:
+def _generation_config(module: nn.Module, gen: Any) -> Iterator[None]:
     """``model.generation_config`` set to ``gen`` for one save (what save_pretrained writes)."""
+    model: Any = module
     if gen is None:
         yield
         return
     had = "generation_config" in vars(model)
     saved = getattr(model, "generation_config", None)
-    setattr(model, "generation_config", gen)
+    model.generation_config = gen
     try:
         yield
     finally:
         if had:
-            setattr(model, "generation_config", saved)
+            model.generation_config = saved
         else:
             vars(model).pop("generation_config", None)
 
@@ -115,7 +116,7 @@ class FSDPCheckpointManager(_VerlManager):  # type: ignore[misc]
     def save_checkpoint(
         self,
         local_path: str,
-        hdfs_path: str | None = None,
+        hdfs_path: Any = None,
         global_step: int = 0,
         max_ckpt_to_keep: int | None = None,
     ) -> None:
