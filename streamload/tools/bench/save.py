@@ -460,7 +460,7 @@ def run_save(args: argparse.Namespace, ckpt: str, label: str) -> int:
             "--save measures saves: --cold, --options, --read-mode and --bucket-mib do not apply"
         )
     strategies = args.strategies or SAVE_STRATEGIES
-    unknown = [s for s in strategies if s not in SAVERS]
+    unknown = [s for s in strategies if s not in SAVERS and ":" not in s]  # or a client's module:function
     if unknown:
         raise SystemExit(f"--save: unknown strategies {unknown}; one of {SAVE_STRATEGIES}")
     os.makedirs(args.out, exist_ok=True)
