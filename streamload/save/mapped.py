@@ -12,9 +12,9 @@
   are (a verified ``from_hf``, its meta run agreeing with the region form, the verified
   merge hook), so a ``to_hf`` the load cannot invert is a ``MappingError``;
 - ``"state_dict"``: the model's own ``state_dict()`` names and shapes, no conversion (fused
-  experts stay fused), one name per tie (the first, as accelerate's
-  ``clean_state_dict_for_safetensors`` keeps it), weights only: what
-  ``Accelerator.save_model`` writes.
+  experts stay fused), every name of a tie written (accelerate's FSDP2 gather copies each
+  alias to the CPU on its own, so ``clean_state_dict_for_safetensors`` sees no shared storage
+  and keeps both), weights only: what ``Accelerator.save_model`` writes under FSDP2.
 
 A model tensor with no output tensor is refused by name (parameters) or left out as the
 mapping leaves it out (buffers: torchtitan's ``expert_bias_E``, ``tokens_per_expert_E``).
@@ -171,12 +171,14 @@ def mapped_layout(
         True
     """
     if mapping == STATE_DICT:
-        tensors, _ = _canonical(dict(model.state_dict(keep_vars=True)))
-        hub = {
-            n: torch.empty(tuple(t.shape), dtype=out_dtype(t, dtype), device="meta") for n, t in tensors.items()
-        }
+        # Every name, tie aliases too: accelerate's FSDP2 gather copies each to the CPU on its own,
+        # so clean_state_dict_for_safetensors finds no shared storage and writes both.
+        state = dict(model.state_dict(keep_vars=True))
+        tensors, names = _canonical(state)
+        hub = {n: torch.empty(tuple(t.shape), dtype=out_dtype(t, dtype), device="meta") for n, t in state.items()}
         layout = layout_of(hub, model, max_shard_size, total_parameters=False)
-        return layout, (tensors, {n: (identity_piece(n, tuple(h.shape)),) for n, h in hub.items()}), False
+        tiles = {c: tuple(identity_piece(n, tuple(hub[n].shape)) for n in names[c]) for c in tensors}
+        return layout, (tensors, tiles), False
     check_verified(mapping)  # before its to_hf runs: an unverified adapter is refused by name
     state = _raw_state(model)
     try:
