@@ -12,6 +12,10 @@ already-sharded transformers FSDP2 model (pass ``--strategies module:function``)
   is a transformers one: its names are the hub's already); without an index map (one file,
   consolidated by rank 0 alone, as when ``hf_assets_path`` has no index) or with the map of
   ``max_shard_size``'s split (every rank consolidates its files, as with a hub index).
+
+Neither framework writes a config: each strategy adds the model's ``config.json`` on rank 0
+after the export (a few hundred bytes, inside the timed run), only so that the bench's
+correctness pass (transformers' ``from_pretrained`` of the output) can load it.
 """
 
 from __future__ import annotations
@@ -73,17 +77,27 @@ def as_fsdp2(accelerator: Any, plugin: Any = None) -> Any:
     return accelerator
 
 
+def _config(model: nn.Module, out: str) -> None:
+    """The bench's check needs a config neither framework writes: rank 0 adds it."""
+    if dist.get_rank() == 0 and getattr(model, "config", None) is not None:
+        model.config.save_pretrained(out)  # type: ignore[operator, union-attr]
+    dist.barrier()
+
+
 def save_accelerate_own(model: nn.Module, out: str, opts: dict[str, Any]) -> None:
     """accelerate's own ``Accelerator.save_model`` (FSDP2: full state dict gathered to rank 0)."""
     as_fsdp2(fsdp2_accelerator()).save_model(model, out, max_shard_size=opts["max_shard_size"])
     dist.barrier()  # accelerate returns on the other ranks while the main process writes
+    _config(model, out)
 
 
 def save_accelerate_streamload(model: nn.Module, out: str, opts: dict[str, Any]) -> Any:
     """``streamload.integrations.accelerate_fsdp.save_model``: accelerate's files, every rank writing."""
     from ...integrations.accelerate_fsdp import save_model
 
-    return save_model(None, model, out, max_shard_size=opts["max_shard_size"])
+    report = save_model(None, model, out, max_shard_size=opts["max_shard_size"])
+    _config(model, out)
+    return report
 
 
 def _titan_dcp_save(model: nn.Module, out: str, index: dict[str, int] | None) -> None:
@@ -99,6 +113,7 @@ def _titan_dcp_save(model: nn.Module, out: str, index: dict[str, int] | None) ->
     state = ModelWrapper(model).state_dict()
     CheckpointManager.dcp_save(owner, state, out, AsyncMode.DISABLED, to_hf=True)  # type: ignore[arg-type]
     dist.barrier()  # rank 0 consolidates alone (no index): the others must not read before
+    _config(model, out)
 
 
 def save_titan_own(model: nn.Module, out: str, opts: dict[str, Any]) -> None:
