@@ -3,7 +3,16 @@ a mismatch named with its lists, tie aliases from the engine's module tree."""
 
 from __future__ import annotations
 
+import os
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
 import pytest
+import torch
 
 from streamload import EngineMismatchError
 from streamload.save.layout import output_layout
@@ -42,3 +51,81 @@ def test_tie_aliases_keep_only_names_the_hub_lacks() -> None:
     ]
     hub = ["model.embed_tokens.weight", "model.layers.0.mlp.gate.weight"]
     assert tie_aliases(ties, hub) == {"model.embed_tokens.weight": ["lm_head.weight"]}
+
+
+# -- faults: never a hang (issue #42) ------------------------------------------------------------
+# A plain engine (tests/cases_sync_faults.py: a transformers model behind collective_rpc and
+# reload_weights) colocated on each of 3 trainer ranks, or alone in a process of its own behind
+# EngineServer. Each fault below hung the trainer ranks before (a dead engine's reduce waited in
+# 1 s slices for ever: gloo's own timeout was taken for the slice's; a rank that failed between
+# two per-group collectives left its peers in the next one; an engine call's error reached rank 0
+# only).
+
+
+@pytest.fixture(scope="module")
+def faults(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    import cases_sync_faults as cases
+    from rank_group import RankGroup
+
+    from streamload.tools.synthetic import make_checkpoint
+
+    ckpt = str(make_checkpoint(tmp_path_factory.mktemp("sync_faults"), "llama", dtype=torch.float32, seed=5))
+    with socket.socket() as s:
+        s.bind((cases.HOST, 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")])}
+    engine = subprocess.Popen(
+        [sys.executable, cases.__file__, ckpt, str(port), "3", "4"],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    g = RankGroup(3)
+    try:
+        out = {"remote": g.run(cases.case_remote, timeout=90, ckpt=ckpt, port=port)}
+        out["colocated"] = g.run(cases.case_colocated, timeout=90, ckpt=ckpt)
+    finally:
+        g.close(kill=True)
+        engine.kill()
+        _, err = engine.communicate(timeout=10)
+    out["engine_rc"], out["engine_log"] = engine.returncode, err
+    return out
+
+
+def test_engine_killed_mid_transfer_is_named_on_every_rank(faults: dict[str, Any]) -> None:
+    assert faults["engine_rc"] == -signal.SIGKILL and "SIGKILL mid-transfer" in faults["engine_log"]
+    for rank, r in enumerate(faults["remote"]):
+        assert r["first"]["raised"] is None and r["after"]["raised"] is None, r
+        k = r["killed"]
+        assert k["raised"] == "EngineDeadError", (rank, k)
+        # the process's death is noticed within a second or two (a ping between wait slices),
+        # far inside the sync's timeout=20
+        assert k["seconds"] < 10, (rank, k)
+        assert r["call_dead"]["raised"] == "EngineDeadError", (rank, r["call_dead"])
+    seconds = [round(r["killed"]["seconds"], 2) for r in faults["remote"]]
+    print(f"engine SIGKILLed mid-transfer: EngineDeadError after {seconds} s (ranks 0..2)", file=sys.stderr)
+
+
+def test_trainer_rank_failing_to_pack_a_group_is_named_on_every_rank(faults: dict[str, Any]) -> None:
+    for kind in ("remote", "colocated"):
+        for rank, r in enumerate(faults[kind]):
+            p = r["pack"]
+            assert p["raised"] == "SyncError" and p["rank"] == 1, (kind, rank, p)
+            assert p["tensor"] and p["tensor"].startswith("model.layers.1.") and "layer group 2" in p["message"]
+            assert p["seconds"] < 10, (kind, rank, p)
+            assert r["after"]["raised"] is None, (kind, rank, r["after"])  # the next sync is whole
+    assert faults["remote"][0]["equal"] is True  # the engine, synced again, holds the trainer's weights
+    assert all(r["equal"] for r in faults["colocated"])
+
+
+def test_engine_reload_failing_mid_pass_is_named_on_every_rank(faults: dict[str, Any]) -> None:
+    for rank, r in enumerate(faults["colocated"]):
+        f = r["reload"]
+        assert f["raised"] == "SyncError" and f["rank"] == 1 and "injected reload failure" in f["message"], (rank, f)
+
+
+def test_engine_call_that_raises_is_named_on_every_rank(faults: dict[str, Any]) -> None:
+    for rank, r in enumerate(faults["remote"]):
+        c = r["call"]
+        assert c["raised"] == "SyncError" and "injected call failure" in c["message"], (rank, c)

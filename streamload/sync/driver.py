@@ -115,9 +115,8 @@ def sync_weights(
 
 
 def _sync(model: nn.Module, llm: Any, dtype: torch.dtype | None, group: Any, device_mesh: Any) -> SyncReport:
-    if isinstance(llm, RemoteEngine):
-        return _sync_remote(model, llm, dtype, group, device_mesh)
     t0 = time.perf_counter()
+    remote = llm if isinstance(llm, RemoteEngine) else None
     rank = dist.get_rank(group) if group is not None else 0
     device = (
         torch.device("cpu")
@@ -128,7 +127,7 @@ def _sync(model: nn.Module, llm: Any, dtype: torch.dtype | None, group: Any, dev
     aliases: dict[str, list[str]] = {}
     layout: Layout | None = None
     try:
-        info = _probe(llm, rank)
+        info = remote.probe() if remote is not None else _probe(llm, rank)
         layout = output_layout(model, dtype=dtype)
         check_engine(layout, info["config"], rank)
         aliases = tie_aliases(info["ties"], layout.tensors)
@@ -141,75 +140,18 @@ def _sync(model: nn.Module, llm: Any, dtype: torch.dtype | None, group: Any, dev
             hint="every trainer rank's engine must serve the same model",
         )
     assert layout is not None
-    reuse = all(a[1] for a in every)  # agreed: a rank that replaced a parameter re-plans with all
-    source = _source(model, dtype, aliases, group, device_mesh, layout, reuse=reuse)
-    before = SourceStats(**vars(source.stats))
-    outcome: dict[str, Any] = {}
-    weights = iter(source)
-    try:
-        outcome = llm.collective_rpc(worker_reload, args=(weights,))[0]
-    except BaseException as exc:  # noqa: BLE001 - agreed below
-        local = exc
-    if local is not None and not lost_peer(local):
-        # The engine stopped pulling: keep taking part in the peers' collectives to the end.
-        for _ in weights:
-            pass
-    gather_or_raise(None, _as_sync_error(local, rank), rank, group, device)
-    s = source.stats
-    return SyncReport(
-        seconds=time.perf_counter() - t0,
-        engine_seconds=float(outcome.get("seconds", 0.0)),
-        pack_seconds=s.pack_seconds - before.pack_seconds,
-        wire_seconds=s.wire_seconds - before.wire_seconds,
-        groups=s.groups - before.groups,
-        bytes=s.bytes - before.bytes,
-        peak_group_bytes=source.largest_group_bytes,
-        aliases=aliases,
-        refreshed=int(outcome.get("refreshed", 0)),
+    # agreed: a rank that replaced a parameter re-plans with all
+    transfer = None if remote is None else (remote.pg, remote.engine_rank)
+    source = _source(
+        model, dtype, aliases, group, device_mesh, layout, transfer, reuse=all(a[1] for a in every)
     )
-
-
-def _sync_remote(
-    model: nn.Module, remote: RemoteEngine, dtype: torch.dtype | None, group: Any, device_mesh: Any
-) -> SyncReport:
-    """One engine in another process: check it from what it posted, agree, then one ``reduce``
-    per layer group over the link's transfer group while the engine's worker reloads."""
-    t0 = time.perf_counter()
-    rank = remote.rank
-    device = (
-        torch.device("cpu")
-        if group is None or carries_cpu(group)
-        else resolve_device(model, device_mesh, group)
-    )
-    local: BaseException | None = None
-    aliases: dict[str, list[str]] = {}
-    layout: Layout | None = None
-    try:
-        remote.ping()
-        layout = output_layout(model, dtype=dtype)
-        check_engine(layout, remote.info["config"], rank)
-        aliases = tie_aliases(remote.info["ties"], layout.tensors)
-    except BaseException as exc:  # noqa: BLE001 - agreed below
-        local = exc
-    every = gather_or_raise(_plan_current(model), local, rank, group, device)
-    assert layout is not None
-    transfer = (remote.pg, remote.engine_rank)
-    source = _source(model, dtype, aliases, group, device_mesh, layout, transfer, reuse=all(every))
+    source.watch = None if remote is None else remote.ping
     before = SourceStats(**vars(source.stats))
-    answer: dict[str, Any] | None = None
-    try:
-        remote.post({"op": "sync", "plan": remote.plan_for(source.planned_groups)})
-        for _ in source.iter_groups():
-            pass
-        answer = remote.answer()
-        if answer is not None and not answer["ok"]:
-            local = SyncError(f"the engine's reload failed ({answer['error']})", rank=rank)
-    except SyncError as exc:
-        local = exc
-    except BaseException as exc:  # noqa: BLE001 - the link's transfer failed: the engine is gone
-        local = remote.dead_error(exc) if lost_peer(exc) or isinstance(exc, RuntimeError) else exc
-    every = gather_or_raise(answer, local, rank, group, device)
-    outcome = every[0] or {}
+    outcome, local = _feed_remote(remote, source) if remote is not None else _feed(llm, source, rank)
+    every = gather_or_raise(outcome, local, rank, group, device)
+    if remote is not None:
+        outcome = every[0]  # the engine's answer, as rank 0 heard it
+    outcome = outcome or {}
     s = source.stats
     return SyncReport(
         seconds=time.perf_counter() - t0,
@@ -223,6 +165,63 @@ def _sync_remote(
         refreshed=int(outcome.get("refreshed", 0)),
         engine_rss=int(outcome.get("rss", 0)),
     )
+
+
+def _feed(llm: Any, source: HubSource, rank: int) -> tuple[dict[str, Any], BaseException | None]:
+    """This rank's colocated engine reloads from a pass of ``source`` (one ``all_reduce`` per
+    group); returns its outcome and this rank's error (None where a peer's is the one to agree on)."""
+    outcome: dict[str, Any] = {}
+    local: BaseException | None = None
+    weights = iter(source)
+    try:
+        outcome = llm.collective_rpc(worker_reload, args=(weights,))[0]
+    except BaseException as exc:  # noqa: BLE001 - agreed by the caller
+        local = exc
+    if source.peer_failed is not None and source.failed is None:
+        return outcome, None  # a peer failed to pack a group: the agreement carries its error
+    if local is not None and source.failed is None and not lost_peer(local):
+        # The engine stopped pulling: the next group carries this rank's flag, which ends the
+        # pass on every rank (no peer is left in a collective).
+        source.abort(local)
+        try:
+            for _ in weights:
+                pass
+        except SyncError:
+            pass
+        except BaseException as exc:  # noqa: BLE001 - a peer lost while draining is the error now
+            if lost_peer(exc):
+                local = exc
+    return outcome, _as_sync_error(local, rank)
+
+
+def _feed_remote(
+    remote: RemoteEngine, source: HubSource
+) -> tuple[dict[str, Any] | None, BaseException | None]:
+    """One ``reduce`` per group over the link's transfer group while the engine's worker
+    reloads; returns the engine's answer (rank 0; None elsewhere) and this rank's error.
+
+    A rank that fails to pack a group sends zeros (and its flag) to the end of the pass, so the
+    engine and every peer finish it; the engine stops reloading at the flag. The engine's process
+    gone mid-pass: every rank's wait notices it (``RemoteEngine.ping`` once a second)."""
+    answer: dict[str, Any] | None = None
+    local: BaseException | None = None
+    try:
+        remote.post({"op": "sync", "plan": remote.plan_for(source.planned_groups)})
+        try:
+            for _ in source.iter_groups():
+                pass
+        except SyncError as exc:
+            if exc is not source.failed:
+                raise
+            local = exc
+        answer = remote.answer()
+        if answer is not None and not answer["ok"] and not answer.get("aborted") and local is None:
+            local = SyncError(f"the engine's reload failed ({answer['error']})", rank=remote.rank)
+    except SyncError as exc:
+        local = exc
+    except BaseException as exc:  # noqa: BLE001 - the engine gone, or a trainer peer (the meeting names it)
+        local = exc if remote.alive() else remote.dead_error(exc)
+    return answer, local
 
 
 def _probe(llm: Any, rank: int) -> dict[str, Any]:

@@ -2,15 +2,19 @@
 
 from __future__ import annotations
 
-from ..errors import ModelMismatchError, StreamloadError
+from typing import Any
+
+from ..errors import KeyMismatchError, StreamloadError
 
 
 class SyncError(StreamloadError):
     """A weight sync failed; raised on every trainer rank, naming the rank where it failed."""
 
 
-class EngineMismatchError(SyncError, ModelMismatchError):
+class EngineMismatchError(SyncError, KeyMismatchError):
     """The engine's model does not take the trainer's weights: hub names or shapes differ.
+
+    Takes ``KeyMismatchError``'s arguments, and ``shapes``.
 
     Attributes:
         missing: hub tensors the engine's model needs that the trainer does not have.
@@ -20,27 +24,12 @@ class EngineMismatchError(SyncError, ModelMismatchError):
 
     def __init__(
         self,
-        reason: str,
-        file: str | None = None,
-        tensor: str | None = None,
-        rank: int | None = None,
-        missing: list[str] | None = None,
-        unexpected: list[str] | None = None,
+        *args: Any,
         shapes: dict[str, tuple[tuple[int, ...], tuple[int, ...]]] | None = None,
-        *,
-        hint: str | None = None,
+        **kwargs: Any,
     ) -> None:
-        super().__init__(reason, file, tensor, rank, hint=hint)
-        self.missing = list(missing or [])
-        self.unexpected = list(unexpected or [])
-        self.shapes = dict(shapes or {})
-
-    def __reduce__(self):  # keep the lists when pickled across ranks
-        return (
-            self.__class__,
-            (self.reason, self.file, self.tensor, self.rank, self.missing, self.unexpected, self.shapes),
-            self.__dict__,
-        )
+        super().__init__(*args, **kwargs)
+        self.shapes = dict(shapes or {})  # pickled with the fields, in __dict__ (see __reduce__)
 
 
 class EngineDeadError(SyncError):

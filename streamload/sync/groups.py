@@ -22,6 +22,9 @@ import torch
 from ..io.copy_ops import ITEMSIZE, TORCH_DTYPES
 
 ALIGN = 64
+# After a group's bytes its buffer carries two int32 words that the same collective sums: how many
+# ranks failed to pack the group, and the sum of their rank + 1 (``source.py``).
+FLAG_BYTES = 8
 
 
 def _stack_key(name: str) -> tuple[str, int] | None:

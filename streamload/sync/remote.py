@@ -36,9 +36,11 @@ import torch
 import torch.distributed as dist
 
 from ..io.copy_ops import TORCH_DTYPES
-from ..model.placement import resolve_group
+from ..model.placement import resolve_device, resolve_group
+from ..transport.arrival import meeting
+from ..transport.protocol import carries_cpu, gather_or_raise
 from .errors import EngineDeadError, SyncError
-from .groups import Group
+from .groups import FLAG_BYTES, Group
 from .vllm_engine import refresh_experts, worker_info
 
 _PREFIX = "streamload/sync/"
@@ -173,19 +175,37 @@ def worker_receive(
 ) -> dict:
     """Runs in the engine's worker: one pass of the trainers' groups into ``reload_weights``.
 
-    Every group is received (one ``reduce`` each) even when the reload fails part way: the
+    Every group is received (one ``reduce`` each) even when the reload fails part way, or a
+    trainer rank flags that it failed to pack a group (the flag words after the group's bytes,
+    ``groups.FLAG_BYTES``: the reload then gets nothing more and the answer says which rank): the
     trainer ranks are in those collectives.
     """
     pg = _LINKS[key][0]
     device = torch.device("cpu") if isinstance(pg, dist.ProcessGroupGloo) else worker.device
+    state: dict[str, Any] = {"next": 0, "aborted": None}
+
+    def receive() -> torch.Tensor:
+        i = state["next"]
+        buf = torch.zeros(plan[i][0] + FLAG_BYTES, dtype=torch.uint8, device=device)
+        opts = dist.ReduceOptions()
+        opts.rootRank = pg.rank()
+        opts.reduceOp = dist.ReduceOp(dist.ReduceOp.SUM)
+        pg.reduce([buf.view(torch.int32)], opts).wait()
+        state["next"] = i + 1
+        count, ids = (int(x) for x in buf[plan[i][0] :].view(torch.int32)[:2].tolist())
+        if count and state["aborted"] is None:
+            who = f"trainer rank {ids - 1}" if count == 1 else f"{count} trainer ranks"
+            state["aborted"] = (
+                f"{who} failed to pack layer group {i}: the reload got the groups before it only"
+            )
+        return buf
 
     def groups() -> Iterator[tuple[str, torch.Tensor]]:
-        for nbytes, slots in plan:
-            buf = torch.zeros(nbytes, dtype=torch.uint8, device=device)
-            opts = dist.ReduceOptions()
-            opts.rootRank = pg.rank()
-            opts.reduceOp = dist.ReduceOp(dist.ReduceOp.SUM)
-            pg.reduce([buf.view(torch.int32)], opts).wait()
+        while state["next"] < len(plan) and state["aborted"] is None:
+            slots = plan[state["next"]][1]
+            buf = receive()
+            if state["aborted"] is not None:
+                return
             for name, dt, shape, off in slots:
                 n = TORCH_DTYPES[dt].itemsize
                 for s in shape:
@@ -193,17 +213,25 @@ def worker_receive(
                 yield name, buf[off : off + n].view(TORCH_DTYPES[dt]).view(shape)
 
     t0 = time.perf_counter()
-    stream = groups()
     error = None
     refreshed = 0
     try:
-        worker.reload_weights(weights_iterator=stream)
-        refreshed = refresh_experts(worker.model_runner.get_model())
+        worker.reload_weights(weights_iterator=groups())
+        if state["aborted"] is None:
+            refreshed = refresh_experts(worker.model_runner.get_model())
     except Exception as exc:  # noqa: BLE001 - reported to the trainers after the pass
         error = f"{type(exc).__name__}: {exc}"
-    for _ in stream:  # the rest of the pass (nothing left after a reload that took it all)
-        pass
-    return {"ok": error is None, "error": error, "seconds": time.perf_counter() - t0, "refreshed": refreshed}
+    while state["next"] < len(plan):  # the rest of the pass (none left after a reload that took it all)
+        receive()
+    if state["aborted"] is not None:
+        error = state["aborted"]
+    return {
+        "ok": error is None,
+        "error": error,
+        "aborted": state["aborted"] is not None,
+        "seconds": time.perf_counter() - t0,
+        "refreshed": refreshed,
+    }
 
 
 def _rss() -> int:
@@ -255,6 +283,11 @@ class RemoteEngine:
         self.engine_rank = self.world
         self.pg = _transfer_group(self.store, self.rank, self.world + 1, backend, timeout)
         self.address = f"{host}:{port}"
+        self.device = (  # where the trainer group's own collectives (agreements) carry objects
+            torch.device("cpu")
+            if self.group is None or carries_cpu(self.group)
+            else resolve_device(torch.nn.Module(), None, self.group)
+        )
         self._n = 0
         self._plan_sent: Any = None
 
@@ -270,6 +303,19 @@ class RemoteEngine:
                 rank=self.rank,
                 hint="restart the engine process and connect a new RemoteEngine",
             ) from exc
+
+    def probe(self) -> dict[str, Any]:
+        """The engine's config and ties (as it posted them), once its process still answers."""
+        self.ping()
+        return self.info
+
+    def alive(self) -> bool:
+        """Whether the engine's process still answers (see ``ping``)."""
+        try:
+            self.ping()
+        except EngineDeadError:
+            return False
+        return True
 
     def request(self, req: dict[str, Any] | None) -> dict[str, Any] | None:
         """Posts ``req`` (on trainer rank 0; other ranks pass anything) and returns its answer
@@ -313,12 +359,26 @@ class RemoteEngine:
         """Runs ``fn(llm, *args)`` in the engine's process (a module-level function, pickled by
         reference); returns its result on trainer rank 0, None on the others.
 
+        Collective over the trainer's group: every trainer rank calls it, and a failure (the
+        call's own error, or the engine gone) is raised on every rank.
+
+        Raises:
+            EngineDeadError: the engine's process does not answer (on every rank).
+            SyncError: ``fn`` raised in the engine (on every rank, with its message).
+
         Example:
             >>> remote.call(generate, prompts)
         """
-        out = self.request({"op": "call", "fn": fn, "args": args})
-        if out is not None and not out["ok"]:
-            raise SyncError(f"the engine's call failed: {out['error']}", rank=self.rank)
+        with meeting("RemoteEngine.call", self.group, self.timeout):
+            out: dict[str, Any] | None = None
+            local: BaseException | None = None
+            try:
+                out = self.request({"op": "call", "fn": fn, "args": args})
+                if out is not None and not out["ok"]:
+                    local = SyncError(f"the engine's call failed: {out['error']}", rank=self.rank)
+            except Exception as exc:  # noqa: BLE001 - agreed below
+                local = exc
+            gather_or_raise(None, local, self.rank, self.group, self.device)
         return None if out is None else out.get("result")
 
     def close(self) -> None:

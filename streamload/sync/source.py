@@ -25,7 +25,7 @@ vLLM; ``vllm_weight_source`` wraps it into vLLM's own ABC where a backend checks
 from __future__ import annotations
 
 import time
-from collections.abc import Collection, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -38,10 +38,11 @@ from ..model.placement import resolve_device, resolve_group
 from ..save.layout import Layout, output_layout
 from ..save.plan import Piece, SavePlan, local_of, plan_save
 from ..save.tiling import check_tiling
-from ..transport.arrival import wait_work
+from ..transport.arrival import current, wait_work
 from ..transport.collectives import solo
 from ..transport.protocol import carries_cpu
-from .groups import Group, Slot, plan_groups
+from .errors import SyncError
+from .groups import FLAG_BYTES, Group, Slot, plan_groups
 
 ALL = "all"
 
@@ -100,6 +101,9 @@ class HubSource:
             rank of it - a group made for the transfer only (e.g. every trainer rank plus an
             engine process, ``remote.py``), never registered with torch.distributed (its
             collectives are the group object's own methods); no trainer rank receives then.
+        watch: called while a collective waits (once a second); raises when what the collective
+            also waits on is gone (``RemoteEngine.ping``: the engine's process). Inside a call
+            (``sync_weights``) each collective waits at most the call's ``timeout``.
 
     Raises:
         SaveError: the model has a tensor with no hub form, or the ranks' shards do not tile
@@ -122,6 +126,7 @@ class HubSource:
         aliases: Mapping[str, Sequence[str]] | None = None,
         layout: Layout | None = None,
         transfer: tuple[Any, int] | None = None,
+        watch: Callable[[], None] | None = None,
     ) -> None:
         if receivers != ALL and not isinstance(receivers, int):
             raise ValueError(f"receivers must be 'all' or a group rank, not {receivers!r}")
@@ -132,6 +137,9 @@ class HubSource:
             raise ValueError(f"receivers={receivers} is not a rank of a {self.world}-rank group")
         self.receivers = receivers
         self.transfer = transfer
+        self.watch = watch
+        self.failed: SyncError | None = None  # this rank's failure in the pass under way
+        self.peer_failed: SyncError | None = None  # a peer's, as the flag told it
         self.device = (
             torch.device("cpu")
             if self.group is None or carries_cpu(self.group)
@@ -205,13 +213,30 @@ class HubSource:
     def iter_groups(self) -> Iterator[tuple[list[str], list[torch.Tensor | None]]]:
         """A fresh pass, one ``(names, tensors)`` batch per layer group (one collective each).
 
+        A rank that fails to pack group k (or is told to stop, ``abort``) still takes part in the
+        collectives, with zeros and its flag set in the buffer's trailing words: with
+        ``receivers="all"`` every rank sees the flag in group k's result and the pass stops there
+        on every rank (the failing rank raises its error, the others a ``SyncError`` naming it);
+        with one receiver only that rank sees it, so every rank goes on to the end of the pass
+        (the receiver yields nothing more) and raises then.
+
+        Raises:
+            SyncError: this rank failed to pack a group (naming it and the tensor), or a peer did.
+
         Example:
             >>> for names, tensors in HubSource(model).iter_groups():
             ...     engine.load_weights(zip(names, tensors))
         """
         before = self.stats.collectives
+        self.failed = None
+        self.peer_failed = None
+        stop_early = self.transfer is None and self.receivers == ALL
         for g in self._groups:
             buf = self._materialise(g)
+            if self.failed is not None or self.peer_failed is not None:
+                if stop_early or g is self._groups[-1]:
+                    break
+                continue
             if buf is None:
                 yield g.names, [None] * len(g.slots)
             else:
@@ -219,6 +244,15 @@ class HubSource:
             del buf
         self.stats.passes += 1
         self.stats.per_pass.append(self.stats.collectives - before)
+        if self.failed is not None:
+            raise self.failed
+        if self.peer_failed is not None:
+            raise self.peer_failed
+
+    def abort(self, exc: BaseException) -> None:
+        """Stops the pass under way on every rank: this rank's next group travels as zeros with its
+        flag set (see ``iter_groups``); the pass then raises ``exc``, as a ``SyncError``."""
+        self.failed = _as_failure(exc, self.rank, None)
 
     # -- one group -----------------------------------------------------------------------------
 
@@ -237,37 +271,78 @@ class HubSource:
     @property
     def largest_group_bytes(self) -> int:
         """The largest group buffer: the peak extra memory of a pass on every rank."""
-        return max((g.nbytes for g in self._groups), default=0)
+        return max((g.nbytes for g in self._groups), default=0) + FLAG_BYTES
 
     def _materialise(self, g: Group) -> torch.Tensor | None:
         t0 = time.perf_counter()
-        buf = torch.zeros(g.nbytes, dtype=torch.uint8, device=self.device)
-        for slot, piece in self._pieces[g.index]:
-            _region(slot, piece, buf).copy_(piece.view(local_of(self.plan.tensors[piece.target])))
+        # The group's bytes, then FLAG_BYTES: (ranks failed, sum of their rank + 1) as int32
+        # words, summed by the same collective (no extra one).
+        buf = torch.zeros(g.nbytes + FLAG_BYTES, dtype=torch.uint8, device=self.device)
+        if self.failed is None:
+            slot: Slot | None = None
+            try:
+                for slot, piece in self._pieces[g.index]:
+                    _region(slot, piece, buf).copy_(piece.view(local_of(self.plan.tensors[piece.target])))
+            except Exception as exc:  # noqa: BLE001 - sent as the flag, raised after the collective
+                self.failed = _as_failure(exc, self.rank, slot.name if slot is not None else None, g)
+        if self.failed is not None:
+            buf.zero_()
+            buf[g.nbytes :].view(torch.int32)[:2] = torch.tensor([1, self.rank + 1], dtype=torch.int32)
         t1 = time.perf_counter()
         self.stats.pack_seconds += t1 - t0
         self.stats.groups += 1
-        self.stats.bytes += g.nbytes
-        self.stats.peak_group_bytes = max(self.stats.peak_group_bytes, g.nbytes)
+        self.stats.bytes += buf.numel()
+        self.stats.peak_group_bytes = max(self.stats.peak_group_bytes, buf.numel())
+        words = buf.view(torch.int32)
         if self.transfer is not None:
             pg, root = self.transfer
             opts = dist.ReduceOptions()
             opts.rootRank = root
             opts.reduceOp = dist.ReduceOp(dist.ReduceOp.SUM)
-            wait_work(pg.reduce([buf.view(torch.int32)], opts), self.device)
+            wait_work(pg.reduce([words], opts), self.device, deadline=_deadline(), watch=self.watch)
             self.stats.collectives += 1
         elif not solo(self.group):
-            words = buf.view(torch.int32)
             if self.receivers == ALL:
                 work = dist.all_reduce(words, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
             else:
                 assert self.group is not None  # not solo
                 dst = dist.get_global_rank(self.group, int(self.receivers))
                 work = dist.reduce(words, dst=dst, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
-            wait_work(work, self.device)
+            wait_work(work, self.device, deadline=_deadline(), watch=self.watch)
             self.stats.collectives += 1
         self.stats.wire_seconds += time.perf_counter() - t1
-        return buf if self.receives else None
+        if not self.receives:
+            return None
+        count, ids = (int(x) for x in buf[g.nbytes :].view(torch.int32)[:2].tolist())
+        if count and self.failed is None and self.peer_failed is None:
+            self.peer_failed = peer_failure(count, ids, g)
+        return buf[: g.nbytes]
+
+
+def _deadline() -> float | None:
+    """A sync's collective waits at most its call's ``timeout`` (each waits on one step of every
+    peer: longer means a peer is gone or stuck)."""
+    m = current()
+    return None if m is None else m.timeout
+
+
+def peer_failure(count: int, ids: int, g: Group) -> SyncError:
+    """What a rank raises when a group's flag words say ``count`` peers failed to pack it (the
+    failing rank's own error, with the tensor, comes with the call's agreement)."""
+    who = f"rank {ids - 1}" if count == 1 else f"{count} ranks"
+    return SyncError(
+        f"{who} failed to pack layer group {g.index} ('{g.slots[0].name}', ...): the pass stopped",
+        rank=ids - 1 if count == 1 else None,
+    )
+
+
+def _as_failure(exc: BaseException, rank: int, tensor: str | None, g: Group | None = None) -> SyncError:
+    if isinstance(exc, SyncError):
+        return exc
+    where = f" packing layer group {g.index}" if g is not None else ""
+    err = SyncError(f"failed{where} ({type(exc).__name__}: {exc})", tensor=tensor, rank=rank)
+    err.__cause__ = exc
+    return err
 
 
 def _region(slot: Slot, piece: Piece, buf: torch.Tensor) -> torch.Tensor:

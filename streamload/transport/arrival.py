@@ -33,7 +33,7 @@ import os
 import signal
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
@@ -50,6 +50,7 @@ ENV = ENV_OVERRIDES["timeout"]
 ROLL_CALL_SECONDS = 10.0
 _LOST_MARKERS = (
     "streamload: a peer said:",
+    "streamload: no progress:",
     "connection closed by peer",
     "connection reset by peer",
     "broken pipe",
@@ -319,14 +320,32 @@ def _short(ranks: Any) -> str:
     return str(ranks) if len(ranks) <= 16 else f"[{ranks[0]}..{ranks[-1]}] ({len(ranks)} ranks)"
 
 
-def wait_work(work: Any, device: Any = None) -> None:
+def wait_work(
+    work: Any, device: Any = None, *, deadline: float | None = None, watch: Callable[[], None] | None = None
+) -> None:
     """``work.wait()``, except that inside a call, for a collective on CPU tensors (gloo), it
     waits in one-second slices and between them asks the store whether a peer left: a rank
     whose collective stalls on a live peer that already left (it saw the loss, or raised, in
     an earlier step) would otherwise wait for the group's own timeout. A collective that
     completes within the first slice costs nothing more than ``wait()``.
 
-    On a device (NCCL) ``wait()`` only orders the stream; it is left as it is.
+    A slice that ran out (the work is still pending) is told from the work's own failure (gloo's
+    own timeout, a closed connection: the work completed with an error, raised as it is), so the
+    group's timeout is never taken for a slice and retried.
+
+    Args:
+        work: the collective's work handle (None: nothing to wait for).
+        device: the tensors' device; on a device (NCCL) ``wait()`` only orders the stream and is
+            left as it is.
+        deadline: seconds the collective may take at most (the call's ``timeout`` for a sync,
+            whose collectives each wait on one step of every peer); past it, a lost-peer error
+            (the call's meeting then takes the roll call and names who is gone). None: no limit
+            but the group's own.
+        watch: called between slices; raises when what the collective also waits on is gone
+            (e.g. a separate engine's process).
+
+    Example:
+        >>> wait_work(dist.all_reduce(t, async_op=True), t.device, deadline=300.0)
     """
     m = current()
     if work is None:
@@ -334,15 +353,22 @@ def wait_work(work: Any, device: Any = None) -> None:
     if m is None or (device is not None and getattr(device, "type", "cpu") != "cpu"):
         work.wait()
         return
+    t0 = time.monotonic()
     while True:
         try:
             work.wait(timedelta(seconds=1))
             return
         except RuntimeError as exc:
-            if "timed out" not in str(exc).lower():
-                raise
+            if "timed out" not in str(exc).lower() or work.is_completed():
+                raise  # the work's own failure, not the slice's end
         if m.store.check([m.key("lost")]):
             raise RuntimeError(f"streamload: a peer said: {m.store.get(m.key('lost')).decode()}")
+        if watch is not None:
+            watch()
+        if deadline is not None and time.monotonic() - t0 > deadline:
+            raise RuntimeError(
+                f"streamload: no progress: a collective of {m.step} did not complete within {deadline:g} s"
+            )
 
 
 def raise_if_lost(exc: BaseException) -> None:
