@@ -32,7 +32,11 @@ def read_dir(path: str | Path) -> dict[str, tuple[str, tuple[int, ...], bytes]]:
                 if k in out:
                     raise AssertionError(f"{k} in two files of {path}")
                 t = fh.get_tensor(k)
-                out[k] = (str(t.dtype), tuple(t.shape), t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+                out[k] = (
+                    str(t.dtype),
+                    tuple(t.shape),
+                    t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes(),
+                )
     return out
 
 

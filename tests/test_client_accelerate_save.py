@@ -39,7 +39,12 @@ def _check(group: RankGroup, ckpt: str, out: Path, dtype: str, max_shard_size: s
     """Both saves; the tensors equal always, the files byte for byte where accelerate split the
     model as the data's sizes split it (its split counts FSDP2's padding: see the split test)."""
     res = group.run(
-        cases.case_accelerate_save, timeout=300, ckpt=ckpt, out=str(out), dtype=dtype, max_shard_size=max_shard_size
+        cases.case_accelerate_save,
+        timeout=300,
+        ckpt=ckpt,
+        out=str(out),
+        dtype=dtype,
+        max_shard_size=max_shard_size,
     )
     own, mine = Path(res[0]["own"]), Path(res[0]["streamload"])
     assert compare_dirs(own, mine) == []

@@ -24,7 +24,9 @@ from rank_group import RankGroup  # noqa: E402
 @pytest.fixture(scope="module")
 def ckpts(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     root = tmp_path_factory.mktemp("titan_save")
-    return {kind: tm.write_checkpoint(root / kind, kind, seed=21 + i) for i, kind in enumerate(("dense", "moe"))}
+    return {
+        kind: tm.write_checkpoint(root / kind, kind, seed=21 + i) for i, kind in enumerate(("dense", "moe"))
+    }
 
 
 @pytest.fixture(scope="module", params=[2, pytest.param(3, marks=pytest.mark.slow)])
@@ -35,7 +37,9 @@ def group(request: pytest.FixtureRequest):
 
 
 def _check(group: RankGroup, ckpt: str, out: Path, kind: str, export_dtype: str) -> None:
-    res = group.run(cases.case_titan_save, timeout=300, kind=kind, path=ckpt, out=str(out), export_dtype=export_dtype)
+    res = group.run(
+        cases.case_titan_save, timeout=300, kind=kind, path=ckpt, out=str(out), export_dtype=export_dtype
+    )
     own, mine = res[0]["own"], res[0]["streamload"]
     assert cases.compare_dirs(own, mine) == []
     got = cases.read_dir(mine)

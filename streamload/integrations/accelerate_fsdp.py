@@ -110,4 +110,6 @@ def save_model(
     """
     if not safe_serialization:
         raise ValueError("streamload writes safetensors only: safe_serialization=False is not supported")
-    return save_pretrained(model, save_directory, mapping="state_dict", max_shard_size=max_shard_size, **kwargs)
+    return save_pretrained(
+        model, save_directory, mapping="state_dict", max_shard_size=max_shard_size, **kwargs
+    )

@@ -67,5 +67,10 @@ def save_hf(
     if len(parts) != 1:
         raise MappingError(f"{len(parts)} model parts (pipeline parallel): one save writes one part")
     return save_pretrained(
-        parts[0], checkpoint_id, mapping=sd_adapter, dtype=export_dtype, max_shard_size=max_shard_size, **kwargs
+        parts[0],
+        checkpoint_id,
+        mapping=sd_adapter,
+        dtype=export_dtype,
+        max_shard_size=max_shard_size,
+        **kwargs,
     )

@@ -274,7 +274,9 @@ def _write_all(
             if asked.quantize == "fp8":
                 layout, plan = plan_fp8(model, asked.dtype, asked.max_shard_size, rank, asked.bucket)
             elif asked.mapping is not None:
-                layout, tiles, configs = mapped_layout(model, asked.mapping, asked.dtype, asked.max_shard_size)
+                layout, tiles, configs = mapped_layout(
+                    model, asked.mapping, asked.dtype, asked.max_shard_size
+                )
                 plan = plan_save(model, layout, rank, tiles)
             else:
                 layout = output_layout(model, dtype=asked.dtype, max_shard_size=asked.max_shard_size)

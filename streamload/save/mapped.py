@@ -90,7 +90,9 @@ def _raw_state(model: nn.Module) -> dict[str, torch.Tensor]:
         for hook in (*mod._state_dict_hooks.values(), *mod._state_dict_pre_hooks.values()):
             name = str(getattr(getattr(hook, "hook", hook), "__qualname__", repr(hook)))
             if not name.endswith(_SPLIT_QKV):
-                raise MappingError(f"state_dict hook {name} has no known effect on the saved names", tensor=prefix)
+                raise MappingError(
+                    f"state_dict hook {name} has no known effect on the saved names", tensor=prefix
+                )
         dot = f"{prefix}." if prefix else ""
         for n, p in mod._parameters.items():
             if p is not None:
@@ -108,9 +110,7 @@ def _titan_form(
     its save hook splits it (``wq``: the query heads of every KV group, ``wk``, ``wv``), the
     checkpoint wrapper's name part removed (as ``get_model_state_dict`` does)."""
     qkv = {
-        f"{n}.": m
-        for n, m in model.named_modules()
-        if any(c.__name__ == _QKV_CLASS for c in type(m).__mro__)
+        f"{n}.": m for n, m in model.named_modules() if any(c.__name__ == _QKV_CLASS for c in type(m).__mro__)
     }
     by_id: dict[int, torch.Tensor] = {}
     out: dict[str, torch.Tensor] = {}
@@ -175,7 +175,9 @@ def mapped_layout(
         # so clean_state_dict_for_safetensors finds no shared storage and writes both.
         state = dict(model.state_dict(keep_vars=True))
         tensors, names = _canonical(state)
-        hub = {n: torch.empty(tuple(t.shape), dtype=out_dtype(t, dtype), device="meta") for n, t in state.items()}
+        hub = {
+            n: torch.empty(tuple(t.shape), dtype=out_dtype(t, dtype), device="meta") for n, t in state.items()
+        }
         layout = layout_of(hub, model, max_shard_size, total_parameters=False)
         tiles = {c: tuple(identity_piece(n, tuple(hub[n].shape)) for n in names[c]) for c in tensors}
         return layout, (tensors, tiles), False
@@ -185,7 +187,9 @@ def mapped_layout(
         # A copy: to_hf records state (expert placements, the index map) the caller's adapter keeps.
         hub = dict(copy.deepcopy(mapping).to_hf(_titan_form(model, state, dtype)))
     except Exception as exc:  # noqa: BLE001 - the adapter's own refusal, reported by name
-        raise MappingError(f"the adapter's to_hf failed on meta tensors: {type(exc).__name__}: {exc}") from exc
+        raise MappingError(
+            f"the adapter's to_hf failed on meta tensors: {type(exc).__name__}: {exc}"
+        ) from exc
     layout = layout_of(hub, model, max_shard_size)
     tensors, names = _canonical(state)
     targets = {n: tuple(int(s) for s in t.shape) for n, t in tensors.items()}

@@ -129,7 +129,9 @@ def save_titan_own_indexed(model: nn.Module, out: str, opts: dict[str, Any]) -> 
 
     tied = _tied_keys(model)
     shapes = {
-        k: torch.empty(v.shape, dtype=v.dtype, device="meta") for k, v in model.state_dict().items() if k not in tied
+        k: torch.empty(v.shape, dtype=v.dtype, device="meta")
+        for k, v in model.state_dict().items()
+        if k not in tied
     }
     split = split_torch_state_dict_into_shards(shapes, max_shard_size=opts["max_shard_size"])
     order = {name: i for i, name in enumerate(sorted(split.filename_to_tensors), start=1)}
