@@ -66,7 +66,22 @@ def index_names(path: str | Path) -> list[str] | None:
     return sorted(json.loads(f.read_text())["weight_map"]) if f.exists() else None
 
 
-def titan_own_save(model: torch.nn.Module, config: Any, folder: str, export_dtype: torch.dtype) -> str:
+def weight_map(path: str | Path) -> dict[str, str]:
+    """The index's tensor -> file map of ``path``."""
+    return dict(json.loads((Path(path) / "model.safetensors.index.json").read_text())["weight_map"])
+
+
+def adapter(config: Any, assets: str | None) -> Any:
+    """torchtitan's Qwen3 adapter; with ``assets`` (``hf_assets_path``) its ``fqn_to_index_mapping``
+    is that checkpoint's index, and torchtitan writes the same files."""
+    from torchtitan.models.qwen3 import Qwen3StateDictAdapter
+
+    return Qwen3StateDictAdapter(config, assets)
+
+
+def titan_own_save(
+    model: torch.nn.Module, config: Any, folder: str, export_dtype: torch.dtype, assets: str | None = None
+) -> str:
     """torchtitan's own ``CheckpointManager._save_last_step`` (and its ``dcp_save``), called as is
     on a stand-in ``self`` that holds what those methods read; returns the step directory."""
     from torchtitan.components.checkpointer.base import MODEL, ModelWrapper
@@ -77,7 +92,7 @@ def titan_own_save(model: torch.nn.Module, config: Any, folder: str, export_dtyp
         last_save_model_only=True,
         states={MODEL: ModelWrapper(model)},
         export_dtype=export_dtype,
-        sd_adapter=tm.adapter_for(config),
+        sd_adapter=adapter(config, assets),
         folder=folder,
         pg=None,
     )
@@ -115,7 +130,9 @@ def patched_save_last_step() -> Any:
     return scope["_Patched"]._save_last_step
 
 
-def titan_streamload_save(model: torch.nn.Module, config: Any, folder: str, export_dtype: torch.dtype) -> str:
+def titan_streamload_save(
+    model: torch.nn.Module, config: Any, folder: str, export_dtype: torch.dtype, assets: str | None = None
+) -> str:
     """The patched ``_save_last_step`` on the same stand-in ``self``; returns the step directory."""
     from torchtitan.components.checkpointer.base import MODEL, ModelWrapper
     from torchtitan.components.checkpointer.dcp import CheckpointManager
@@ -125,7 +142,7 @@ def titan_streamload_save(model: torch.nn.Module, config: Any, folder: str, expo
         last_save_model_only=True,
         states={MODEL: ModelWrapper(model)},
         export_dtype=export_dtype,
-        sd_adapter=tm.adapter_for(config),
+        sd_adapter=adapter(config, assets),
         folder=folder,
     )
     owner._create_checkpoint_id = partial(CheckpointManager._create_checkpoint_id, owner)
@@ -134,17 +151,26 @@ def titan_streamload_save(model: torch.nn.Module, config: Any, folder: str, expo
 
 
 def case_titan_save(
-    rank: int, world: int, *, kind: str, path: str, out: str, export_dtype: str = "float32"
+    rank: int,
+    world: int,
+    *,
+    kind: str,
+    path: str,
+    out: str,
+    export_dtype: str = "float32",
+    assets: bool = False,
 ) -> dict[str, Any]:
     """A parallelised torchtitan model (loaded from ``path``) written by torchtitan and by
-    streamload into ``out/titan`` and ``out/streamload``; returns both step directories."""
+    streamload into ``out/titan`` and ``out/streamload``; returns both step directories.
+    ``assets``: the adapter has ``hf_assets_path=path`` (its index's split of the files)."""
     dtype = getattr(torch, export_dtype)
     cfg = tm.titan_config(kind)
     model = tm.build_meta(cfg)
     tm.parallelize(model, world)
     streamload.load_checkpoint(model, path, mapping=tm.adapter_for(cfg))
-    own = titan_own_save(model, cfg, os.path.join(out, "titan"), dtype)
-    mine = titan_streamload_save(model, cfg, os.path.join(out, "streamload"), dtype)
+    hf_assets = path if assets else None
+    own = titan_own_save(model, cfg, os.path.join(out, "titan"), dtype, hf_assets)
+    mine = titan_streamload_save(model, cfg, os.path.join(out, "streamload"), dtype, hf_assets)
     return {"own": own, "streamload": mine}
 
 

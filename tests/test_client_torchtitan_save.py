@@ -36,9 +36,17 @@ def group(request: pytest.FixtureRequest):
     g.close()
 
 
-def _check(group: RankGroup, ckpt: str, out: Path, kind: str, export_dtype: str) -> None:
+def _check(
+    group: RankGroup, ckpt: str, out: Path, kind: str, export_dtype: str, assets: bool = False
+) -> None:
     res = group.run(
-        cases.case_titan_save, timeout=300, kind=kind, path=ckpt, out=str(out), export_dtype=export_dtype
+        cases.case_titan_save,
+        timeout=300,
+        kind=kind,
+        path=ckpt,
+        out=str(out),
+        export_dtype=export_dtype,
+        assets=assets,
     )
     own, mine = res[0]["own"], res[0]["streamload"]
     assert cases.compare_dirs(own, mine) == []
@@ -50,13 +58,20 @@ def _check(group: RankGroup, ckpt: str, out: Path, kind: str, export_dtype: str)
         assert "lm_head.weight" not in got
     else:
         assert "model.layers.1.mlp.experts.11.down_proj.weight" in got
-    # The files around the tensors: torchtitan's consolidated name, its index and its DCP
-    # shards left in sharded/; streamload's transformers layout, one file, no index.
-    assert cases.files(mine) == ["model.safetensors"]
+    # The files around the tensors: torchtitan's index always and its DCP shards left in
+    # sharded/; streamload's transformers layout (an index only when split).
     theirs = cases.files(own)
-    assert "model-00001-of-00001.safetensors" in theirs and "model.safetensors.index.json" in theirs
+    assert "model.safetensors.index.json" in theirs
     assert any(f.startswith("sharded/") for f in theirs), theirs
     assert cases.index_names(own) == sorted(got)
+    weights = sorted(f for f in theirs if "/" not in f and f.endswith(".safetensors"))
+    if assets:  # the hub checkpoint's own split, file for file
+        assert weights == sorted(p.name for p in Path(ckpt).glob("*.safetensors")) and len(weights) > 1
+        assert cases.files(mine) == [*weights, "model.safetensors.index.json"]
+        assert cases.weight_map(own) == cases.weight_map(mine) == cases.weight_map(ckpt)
+    else:  # one file
+        assert weights == ["model-00001-of-00001.safetensors"]
+        assert cases.files(mine) == ["model.safetensors"]
 
 
 def test_titan_save_dense_tied(group: RankGroup, ckpts: dict[str, str], tmp_path: Path) -> None:
@@ -64,8 +79,19 @@ def test_titan_save_dense_tied(group: RankGroup, ckpts: dict[str, str], tmp_path
 
 
 @pytest.mark.slow
+def test_titan_save_dense_tied_assets(group: RankGroup, ckpts: dict[str, str], tmp_path: Path) -> None:
+    """With ``hf_assets_path``: torchtitan's and streamload's files are the hub checkpoint's split."""
+    _check(group, ckpts["dense"], tmp_path, "dense", "bfloat16", assets=True)
+
+
+@pytest.mark.slow
 def test_titan_save_moe(group: RankGroup, ckpts: dict[str, str], tmp_path: Path) -> None:
     _check(group, ckpts["moe"], tmp_path, "moe", "float32")
+
+
+@pytest.mark.slow
+def test_titan_save_moe_assets(group: RankGroup, ckpts: dict[str, str], tmp_path: Path) -> None:
+    _check(group, ckpts["moe"], tmp_path, "moe", "float32", assets=True)
 
 
 @pytest.mark.slow

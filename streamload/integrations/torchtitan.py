@@ -33,7 +33,7 @@ def save_hf(
     sd_adapter: Any,
     *,
     export_dtype: torch.dtype | None = None,
-    max_shard_size: int | str = "5GB",
+    max_shard_size: int | str | None = None,
     **kwargs: Any,
 ) -> SaveReport:
     """torchtitan's ``last_save_in_hf`` export: the model written as the hub checkpoint its
@@ -46,8 +46,10 @@ def save_hf(
         sd_adapter: torchtitan's state-dict adapter (``self.sd_adapter``).
         export_dtype: ``self.export_dtype``: floating-point tensors cast to it, as torchtitan's
             ``v.to(self.export_dtype)``.
-        max_shard_size: the largest file before splitting (torchtitan writes one file, or the
-            hub checkpoint's own split when its adapter has ``fqn_to_index_mapping``).
+        max_shard_size: None (default): torchtitan's files: the hub checkpoint's own split
+            (``model-0000i-of-0000n.safetensors``) when the adapter has an
+            ``fqn_to_index_mapping`` (an index in ``hf_assets_path``), else one file
+            (``model.safetensors``); or the largest file before splitting, as transformers'.
         **kwargs: further ``save_pretrained`` options (``writers``, ``bucket_bytes``, ``timeout``).
 
     Returns:

@@ -111,7 +111,7 @@ def save_pretrained(
     out_dir: str | os.PathLike,
     *,
     dtype: torch.dtype | None = None,
-    max_shard_size: int | str = "5GB",
+    max_shard_size: int | str | None = "5GB",
     writers: str = "auto",
     process_group: dist.ProcessGroup | None = None,
     device_mesh: Any = None,
@@ -135,7 +135,9 @@ def save_pretrained(
         model: the model (FSDP2 / DTensor parameters, or a plain module).
         out_dir: the checkpoint directory to write (created or replaced).
         dtype: cast floating-point tensors to this dtype on the way out (torch's rounding).
-        max_shard_size: largest file before splitting, as transformers' ``max_shard_size``.
+        max_shard_size: largest file before splitting, as transformers' ``max_shard_size``; None
+            only with an adapter ``mapping``: the files torchtitan writes (its
+            ``fqn_to_index_mapping``, the hub checkpoint's split, else one file).
         writers: ``"owners"`` (every rank writes into the files; one file system every
             rank sees), ``"src"`` (one rank writes, the others send their pieces) or
             ``"auto"`` (owners when every rank sees the temporary directory, else src).
@@ -179,6 +181,8 @@ def save_pretrained(
     if quantize not in QUANTIZE:
         raise ValueError(f"quantize must be one of {QUANTIZE}, not {quantize!r}")
     check_mapping(mapping)
+    if max_shard_size is None and (mapping is None or isinstance(mapping, str)):
+        raise ValueError("max_shard_size=None takes its files from an adapter mapping: pass a size")
     if mapping is not None and quantize is not None:
         raise ValueError("quantize and mapping cannot be combined")
     group = resolve_group(process_group, device_mesh)
@@ -206,7 +210,7 @@ class _Asked:
     """What the caller asked of one save (agreed equal on every rank by the meeting)."""
 
     dtype: torch.dtype | None
-    max_shard_size: int | str
+    max_shard_size: int | str | None
     writers: str
     config: Any
     bucket: int
@@ -271,15 +275,16 @@ def _write_all(
     configs = True
     try:
         try:
+            size = asked.max_shard_size if asked.max_shard_size is not None else "5GB"  # None: mapped only
             if asked.quantize == "fp8":
-                layout, plan = plan_fp8(model, asked.dtype, asked.max_shard_size, rank, asked.bucket)
+                layout, plan = plan_fp8(model, asked.dtype, size, rank, asked.bucket)
             elif asked.mapping is not None:
                 layout, tiles, configs = mapped_layout(
                     model, asked.mapping, asked.dtype, asked.max_shard_size
                 )
                 plan = plan_save(model, layout, rank, tiles)
             else:
-                layout = output_layout(model, dtype=asked.dtype, max_shard_size=asked.max_shard_size)
+                layout = output_layout(model, dtype=asked.dtype, max_shard_size=size)
                 clock.mark("layout")
                 plan = plan_save(model, layout, rank)
             clock.mark("plan")

@@ -307,11 +307,16 @@ def output_layout(
 
 
 def layout_of(
-    hub: dict[str, torch.Tensor], model: nn.Module, max_shard_size: int | str, total_parameters: bool = True
+    hub: dict[str, torch.Tensor],
+    model: nn.Module,
+    max_shard_size: int | str,
+    total_parameters: bool = True,
+    file_of: Mapping[str, str] | None = None,
 ) -> Layout:
     """The files, headers and index of the hub tensors ``hub`` (meta tensors, views sharing
-    the storage transformers' splitter groups by), split by ``max_shard_size``; the index's
-    metadata names ``total_parameters`` as transformers' does (not accelerate's: False).
+    the storage transformers' splitter groups by), split by ``max_shard_size``, or into the
+    given ``files`` (hub key -> file name; an index always); the index's metadata names
+    ``total_parameters`` as transformers' does (not accelerate's: False).
 
     Example:
         >>> layout_of(hub_state(model), model, "5GB").files[0].name
@@ -325,12 +330,16 @@ def layout_of(
             hint="pip install 'streamload[hf]'",
         ) from e
 
-    split = split_state_dict_into_shards_factory(
-        hub,
-        get_storage_size=lambda t: t.untyped_storage().nbytes(),
-        get_storage_id=lambda t: id(_root(t)),
-        filename_pattern=FILE_PATTERN,
-        max_shard_size=max_shard_size,
+    split = (
+        _given_split(hub, file_of)
+        if file_of is not None
+        else split_state_dict_into_shards_factory(
+            hub,
+            get_storage_size=lambda t: t.untyped_storage().nbytes(),
+            get_storage_id=lambda t: id(_root(t)),
+            filename_pattern=FILE_PATTERN,
+            max_shard_size=max_shard_size,
+        )
     )
     placed: dict[str, tuple[str, int]] = {}
     files: list[OutputFile] = []
@@ -358,6 +367,22 @@ def layout_of(
         }
         index = (json.dumps(doc, indent=2, sort_keys=True) + "\n").encode()
     return Layout(tensors, files, index, int(split.metadata["total_size"]))
+
+
+def _given_split(hub: dict[str, torch.Tensor], files: Mapping[str, str]) -> Any:
+    """huggingface_hub's split result for a given file of every hub key (always an index)."""
+    from types import SimpleNamespace
+
+    by_file: dict[str, list[str]] = {}
+    for k in hub:
+        by_file.setdefault(files[k], []).append(k)
+    total = sum(_numel(tuple(t.shape)) * t.element_size() for t in hub.values())
+    return SimpleNamespace(
+        filename_to_tensors=by_file,
+        tensor_to_filename={k: files[k] for k in hub},
+        is_sharded=True,
+        metadata={"total_size": total},
+    )
 
 
 def _numel(shape: tuple[int, ...]) -> int:

@@ -143,11 +143,26 @@ def _canonical(state: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor],
     return tensors, names
 
 
+def _adapter_files(hub: dict[str, torch.Tensor], index: dict[str, int] | None) -> dict[str, str] | None:
+    """torchtitan's file of every hub key from the adapter's ``fqn_to_index_mapping`` (read from
+    ``hf_assets_path``'s index: the hub checkpoint's own split), named as torch's
+    ``HuggingFaceStorageWriter`` names them; None without a map."""
+    if not index:
+        return None
+    missing = sorted(k for k in hub if k not in index)
+    if missing:
+        raise MappingError(
+            f"the adapter's fqn_to_index_mapping has no file for {missing[:5]}", tensor=missing[0]
+        )
+    last = max(index.values())
+    return {k: f"model-{index[k]:05d}-of-{last:05d}.safetensors" for k in hub}
+
+
 Tiles = tuple[dict[str, torch.Tensor], dict[str, tuple[SourcePiece, ...]]]
 
 
 def mapped_layout(
-    model: nn.Module, mapping: Any, dtype: torch.dtype | None, max_shard_size: int | str
+    model: nn.Module, mapping: Any, dtype: torch.dtype | None, max_shard_size: int | str | None
 ) -> tuple[Layout, Tiles, bool]:
     """The output layout of ``model`` under ``mapping`` and the pieces tiling it.
 
@@ -155,7 +170,8 @@ def mapped_layout(
         model: the model (FSDP2 / TP DTensors, or plain).
         mapping: ``"state_dict"`` or a torchtitan-style state-dict adapter (``check_mapping``).
         dtype: optional cast of floating-point tensors.
-        max_shard_size: the largest file before splitting.
+        max_shard_size: the largest file before splitting; None with an adapter: its files, as
+            torchtitan writes them (the ``fqn_to_index_mapping`` split, else one file).
 
     Returns:
         (layout, (canonical name -> model tensor, canonical name -> hub pieces) for ``plan_save``,
@@ -178,19 +194,27 @@ def mapped_layout(
         hub = {
             n: torch.empty(tuple(t.shape), dtype=out_dtype(t, dtype), device="meta") for n, t in state.items()
         }
-        layout = layout_of(hub, model, max_shard_size, total_parameters=False)
+        layout = layout_of(
+            hub, model, max_shard_size or "5GB", total_parameters=False
+        )  # None: refused earlier
         tiles = {c: tuple(identity_piece(n, tuple(hub[n].shape)) for n in names[c]) for c in tensors}
         return layout, (tensors, tiles), False
     check_verified(mapping)  # before its to_hf runs: an unverified adapter is refused by name
     state = _raw_state(model)
+    own = copy.deepcopy(mapping)  # to_hf records state (expert placements, the index map) the caller's keeps
     try:
-        # A copy: to_hf records state (expert placements, the index map) the caller's adapter keeps.
-        hub = dict(copy.deepcopy(mapping).to_hf(_titan_form(model, state, dtype)))
+        hub = dict(own.to_hf(_titan_form(model, state, dtype)))
     except Exception as exc:  # noqa: BLE001 - the adapter's own refusal, reported by name
         raise MappingError(
             f"the adapter's to_hf failed on meta tensors: {type(exc).__name__}: {exc}"
         ) from exc
-    layout = layout_of(hub, model, max_shard_size)
+    file_of = None
+    size: int | str = 1 << 62  # None and no index map: one file, as torchtitan writes
+    if max_shard_size is None:
+        file_of = _adapter_files(hub, getattr(own, "fqn_to_index_mapping", None))
+    else:
+        size = max_shard_size
+    layout = layout_of(hub, model, size, file_of=file_of)
     tensors, names = _canonical(state)
     targets = {n: tuple(int(s) for s in t.shape) for n, t in tensors.items()}
     conv = plan_mapping(mapping, model, layout.table, targets).conversion
