@@ -209,3 +209,18 @@ def test_moe_names_per_strategy(tmp_path: Path) -> None:
     dcp = runs["dcp_consolidate"]
     assert dcp.hub_names is False and "model.layers.0.mlp.experts.gate_up_proj" in dcp.extra_keys
     assert dcp.extra_key_count == 4 and dcp.missing_key_count == 2 * 4 * 3  # 2 layers x 4 experts x 3
+
+
+def test_client_save_strategies_resolve_to_the_clients_own_code() -> None:
+    """Each client's own export (and streamload's entry for it) is a strategy name of
+    ``bench --save``; where the framework is installed (CI: the clients extra) each resolves."""
+    import importlib.util
+
+    from streamload.tools.bench.save_strategies import CLIENT_SAVERS, saver_fn
+
+    needs = {"verl": "verl", "areal": "areal", "accelerate": "accelerate", "titan": "torchtitan"}
+    for name, target in CLIENT_SAVERS.items():
+        if importlib.util.find_spec(needs[name.split("_")[0]]) is None:
+            continue
+        fn = saver_fn(name)
+        assert callable(fn) and f"{fn.__module__}:{fn.__name__}" == target, name

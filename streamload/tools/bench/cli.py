@@ -14,7 +14,7 @@ from .cold import cold_table, disk_bandwidth, median_rows
 from .remote import REMOTE_STRATEGIES, remote_strategy_names, run_remote
 from .runner import run_strategy
 from .save import run_save
-from .save_strategies import SAVE_STRATEGIES, SAVERS
+from .save_strategies import CLIENT_SAVERS, SAVE_STRATEGIES, SAVERS
 from .strategies import FLOORS, STRATEGIES, keyword_annotation, load_keywords
 from .table import markdown_table, median_of, phase_table, write_jsonl
 
@@ -102,7 +102,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--strategies",
         nargs="+",
         default=None,
-        choices=sorted(set(STRATEGIES) | set(SAVERS) | set(remote_strategy_names())),
+        metavar="STRATEGY",
+        # Checked by the mode that runs them (a save strategy may also be a client's "module:function").
+        help="load: "
+        + ", ".join(sorted(STRATEGIES))
+        + "; --save: "
+        + ", ".join([*SAVERS, *CLIENT_SAVERS])
+        + " or module:function; --remote: "
+        + ", ".join(remote_strategy_names()),
     )
     p.add_argument(
         "--save",

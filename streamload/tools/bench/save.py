@@ -37,7 +37,7 @@ import torch
 from torch import nn
 
 from .runner import BenchGroup, MemorySampler, _StrategyFailed, _trim, mismatched
-from .save_strategies import SAVE_STRATEGIES, SAVERS, saver_fn
+from .save_strategies import CLIENT_SAVERS, SAVE_STRATEGIES, SAVERS, saver_fn
 from .table import MiB, baseline_row, render_table, write_jsonl
 
 
@@ -460,9 +460,12 @@ def run_save(args: argparse.Namespace, ckpt: str, label: str) -> int:
             "--save measures saves: --cold, --options, --read-mode and --bucket-mib do not apply"
         )
     strategies = args.strategies or SAVE_STRATEGIES
-    unknown = [s for s in strategies if s not in SAVERS and ":" not in s]  # or a client's module:function
+    # A client's own export by name, or any "module:function".
+    unknown = [s for s in strategies if s not in SAVERS and s not in CLIENT_SAVERS and ":" not in s]
     if unknown:
-        raise SystemExit(f"--save: unknown strategies {unknown}; one of {SAVE_STRATEGIES}")
+        raise SystemExit(
+            f"--save: unknown strategies {unknown}; one of {SAVE_STRATEGIES + list(CLIENT_SAVERS)} or module:function"
+        )
     os.makedirs(args.out, exist_ok=True)
     save_root = args.save_dir or tempfile.mkdtemp(prefix="streamload_bench_save_", dir=args.out)
     os.makedirs(save_root, exist_ok=True)

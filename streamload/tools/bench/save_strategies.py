@@ -94,6 +94,22 @@ SAVERS: dict[str, Callable[[nn.Module, str, dict[str, Any]], Any]] = {
 }
 
 
+# The clients' own HF exports, run from their code, and streamload's entries for them (the frameworks
+# must be installed: the clients extra and .ci/clients-nodeps.txt): name -> "module:function".
+_VERL_AREAL = "streamload.tools.bench.save_clients_verl_areal"
+_TITAN_ACCEL = "streamload.tools.bench.save_clients_titan_accel"
+CLIENT_SAVERS: dict[str, str] = {
+    "verl_own": f"{_VERL_AREAL}:save_verl_own",
+    "verl_streamload": f"{_VERL_AREAL}:save_verl_streamload",
+    "areal_own": f"{_VERL_AREAL}:save_areal_own",
+    "areal_streamload": f"{_VERL_AREAL}:save_areal_streamload",
+    "accelerate_own": f"{_TITAN_ACCEL}:save_accelerate_own",
+    "accelerate_streamload": f"{_TITAN_ACCEL}:save_accelerate_streamload",
+    "titan_own": f"{_TITAN_ACCEL}:save_titan_own",
+    "titan_own_indexed": f"{_TITAN_ACCEL}:save_titan_own_indexed",
+}
+
+
 def saver_fn(name: str) -> Callable[[nn.Module, str, dict[str, Any]], Any]:
     """A save strategy by name: a key of ``SAVERS``, or ``"package.module:function"`` (a client's
     own export, called as ``function(model, out_dir, options)`` on every rank).
@@ -104,7 +120,10 @@ def saver_fn(name: str) -> Callable[[nn.Module, str, dict[str, Any]], Any]:
     """
     if name in SAVERS:
         return SAVERS[name]
+    name = CLIENT_SAVERS.get(name, name)
     module, sep, attr = name.partition(":")
     if not sep:
-        raise KeyError(f"unknown save strategy {name!r}: one of {SAVE_STRATEGIES} or 'module:function'")
+        raise KeyError(
+            f"unknown save strategy {name!r}: one of {SAVE_STRATEGIES + list(CLIENT_SAVERS)} or 'module:function'"
+        )
     return typing.cast(Any, getattr(importlib.import_module(module), attr))
