@@ -126,6 +126,7 @@ def _try(fn: Any, *args: Any, **kwargs: Any) -> dict[str, Any]:
         "message": str(exc) if exc is not None else "",
         "rank": getattr(exc, "rank", None),
         "tensor": getattr(exc, "tensor", None),
+        "ranks": list(getattr(exc, "ranks", None) or []),
         "seconds": time.monotonic() - t0,
     }
 
@@ -176,3 +177,25 @@ def engine_main(ckpt: str, port: int, trainers: int, die_on: int) -> None:
 
 if __name__ == "__main__":
     engine_main(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]))
+
+
+def case_trainer_killed(rank: int, world: int, *, ckpt: str, port: int | None = None) -> dict[str, Any]:
+    """The last rank SIGKILLs itself while it packs ``FAULTY``'s group, in a sync into colocated
+    plain engines (``port`` None) or into the engine process at ``port``; the survivors report."""
+    model = _model(ckpt, world)
+    llm: Any = (
+        PlainLLM(PlainWorker(_engine_model(ckpt)))
+        if port is None
+        else streamload.RemoteEngine(HOST, port, timeout=60)
+    )
+    streamload.sync_weights(model, llm, timeout=20)
+    real = sync_source._region
+
+    def region(slot: Any, piece: Any, buf: torch.Tensor) -> torch.Tensor:
+        if slot.name.startswith(FAULTY):
+            os.kill(os.getpid(), signal.SIGKILL)
+        return real(slot, piece, buf)
+
+    if rank == world - 1:
+        sync_source._region = region
+    return _try(streamload.sync_weights, model, llm, timeout=20)

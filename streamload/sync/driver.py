@@ -91,7 +91,8 @@ def sync_weights(
             bf16); None sends the trainer's dtypes.
         process_group: the trainer's group (default: ``device_mesh``'s, else the default group).
         device_mesh: the model's mesh.
-        timeout: seconds to wait for peers that have not called (``STREAMLOAD_TIMEOUT``, 300).
+        timeout: seconds to wait for peers that have not called (``STREAMLOAD_TIMEOUT``, 300),
+            and at most for each per-group collective.
 
     Returns:
         SyncReport for this rank.
@@ -101,7 +102,10 @@ def sync_weights(
             shapes) - on every rank, before any weight moved.
         EngineDeadError: an engine did not answer (shut down, crashed) - on every rank.
         RankAbsentError: some ranks never called (after ``timeout``).
-        SyncError: the reload failed in some engine (every rank; the weights may be partial).
+        RankLostError: a trainer rank died during the sync, or a collective did not complete
+            within ``timeout`` (every survivor, naming the ranks gone).
+        SyncError: the reload failed in some engine, or a rank failed to pack a layer group
+            (every rank, naming the rank and tensor; the weights may be partial).
 
     Example:
         >>> for step in range(steps):
@@ -172,14 +176,17 @@ def _feed(llm: Any, source: HubSource, rank: int) -> tuple[dict[str, Any], BaseE
     group); returns its outcome and this rank's error (None where a peer's is the one to agree on)."""
     outcome: dict[str, Any] = {}
     local: BaseException | None = None
+    source.failed = source.peer_failed = None  # the last pass's, should this one never start
     weights = iter(source)
     try:
         outcome = llm.collective_rpc(worker_reload, args=(weights,))[0]
     except BaseException as exc:  # noqa: BLE001 - agreed by the caller
         local = exc
-    if source.peer_failed is not None and source.failed is None:
+    if source.failed is not None:  # this rank failed to pack a group (whatever the engine made of it)
+        return outcome, source.failed
+    if source.peer_failed is not None:
         return outcome, None  # a peer failed to pack a group: the agreement carries its error
-    if local is not None and source.failed is None and not lost_peer(local):
+    if local is not None and not lost_peer(local):
         # The engine stopped pulling: the next group carries this rank's flag, which ends the
         # pass on every rank (no peer is left in a collective).
         source.abort(local)

@@ -21,7 +21,11 @@ engine adds zeros, the engine's buffer is the group's hub tensors, and its worke
 ``reload_weights`` as views. An engine whose reload fails keeps receiving to the end of the pass
 (no trainer rank is left in a collective) and reports the failure. An engine process that died
 takes its store with it: every trainer rank's next request to the store fails, which the sync
-agrees on over the trainer's own group (``EngineDeadError`` on every rank).
+agrees on over the trainer's own group (``EngineDeadError`` on every rank); in the middle of a
+transfer every trainer rank's wait in a reduce pings the store once a second, so the same error
+comes about a second after the engine died. A trainer rank that fails to pack a group sends zeros,
+with its flag in the buffer's trailing words (``groups.FLAG_BYTES``), to the end of the pass: the
+engine stops feeding its reload there and answers which rank it was.
 """
 
 from __future__ import annotations

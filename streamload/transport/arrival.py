@@ -359,8 +359,11 @@ def wait_work(
             work.wait(timedelta(seconds=1))
             return
         except RuntimeError as exc:
-            if "timed out" not in str(exc).lower() or work.is_completed():
-                raise  # the work's own failure, not the slice's end
+            if "timed out" not in str(exc).lower():
+                raise
+            if work.is_completed():  # gloo's own timeout, or done just now: not the slice's end
+                work.wait()  # returns, or raises the work's own error
+                return
         if m.store.check([m.key("lost")]):
             raise RuntimeError(f"streamload: a peer said: {m.store.get(m.key('lost')).decode()}")
         if watch is not None:
