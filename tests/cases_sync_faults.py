@@ -51,8 +51,9 @@ class PlainWorker:
         params = dict(self.model.named_parameters())
         for name, t in weights_iterator:
             if name.startswith(FAULTY) and self.reloads == self.die_on:
-                print(f"engine {os.getpid()}: SIGKILL mid-transfer", file=sys.stderr, flush=True)
-                os.kill(os.getpid(), signal.SIGKILL)
+                how = signal.SIGSTOP if os.environ.get("ENGINE_STOPS") else signal.SIGKILL
+                print(f"engine {os.getpid()}: {how.name} mid-transfer", file=sys.stderr, flush=True)
+                os.kill(os.getpid(), how)
             if name.startswith(FAULTY) and self.reloads == self.fail_on:
                 raise RuntimeError(f"injected reload failure at {name}")
             with torch.no_grad():
@@ -199,3 +200,12 @@ def case_trainer_killed(rank: int, world: int, *, ckpt: str, port: int | None = 
     if rank == world - 1:
         sync_source._region = region
     return _try(streamload.sync_weights, model, llm, timeout=20)
+
+
+def case_engine_stopped(rank: int, world: int, *, ckpt: str, port: int) -> dict[str, Any]:
+    """The engine's process SIGSTOPs itself in the middle of the second reload (alive, silent):
+    the survivors' waits are bounded (the watch's short ping, the sync's ``timeout``)."""
+    model = _model(ckpt, world)
+    remote = streamload.RemoteEngine(HOST, port, timeout=60)
+    streamload.sync_weights(model, remote, timeout=20)
+    return _try(streamload.sync_weights, model, remote, timeout=5)

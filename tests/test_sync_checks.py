@@ -122,14 +122,16 @@ def test_engine_call_that_raises_is_named_on_every_rank(faults: dict[str, Any]) 
         assert c["raised"] == "SyncError" and "injected call failure" in c["message"], (rank, c)
 
 
-def _engine_process(ckpt: str, trainers: int, die_on: int = 0) -> tuple[subprocess.Popen, int]:
+def _engine_process(
+    ckpt: str, trainers: int, die_on: int = 0, **env_extra: str
+) -> tuple[subprocess.Popen, int]:
     import cases_sync_faults as cases
 
     with socket.socket() as s:
         s.bind((cases.HOST, 0))
         port = s.getsockname()[1]
     path = os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")])
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": path}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": path, **env_extra}
     cmd = [sys.executable, cases.__file__, ckpt, str(port), str(trainers), str(die_on)]
     return subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True), port
 
@@ -156,4 +158,29 @@ def test_trainer_rank_killed_mid_pass_is_named(tmp_path: Path, where: str) -> No
     print(f"{where}: rank 2 SIGKILLed mid-pass: {out}", file=sys.stderr)
     for rank, r in out.items():
         assert r["raised"] == "RankLostError" and r["ranks"] == [2], (rank, r)
+        assert r["seconds"] < 20, (rank, r)
+
+
+@pytest.mark.slow
+def test_engine_stopped_mid_transfer_is_bounded(tmp_path: Path) -> None:
+    import cases_sync_faults as cases
+    from rank_group import RankGroup
+
+    from streamload.tools.synthetic import make_checkpoint
+
+    ckpt = str(make_checkpoint(tmp_path / "ckpt", "llama", dtype=torch.float32, seed=5))
+    engine, port = _engine_process(ckpt, 3, die_on=2, ENGINE_STOPS="1")
+    g = RankGroup(3)
+    try:
+        out = g.run(cases.case_engine_stopped, timeout=90, ckpt=ckpt, port=port)
+    finally:
+        g.close(kill=True)
+        engine.kill()
+        engine.communicate(timeout=10)
+    print(
+        f"engine SIGSTOPped mid-transfer: {[(r['raised'], round(r['seconds'], 1)) for r in out]}",
+        file=sys.stderr,
+    )
+    for rank, r in enumerate(out):
+        assert r["raised"] == "EngineDeadError" and "does not answer" in r["message"], (rank, r)
         assert r["seconds"] < 20, (rank, r)

@@ -149,7 +149,7 @@ def _sync(model: nn.Module, llm: Any, dtype: torch.dtype | None, group: Any, dev
     source = _source(
         model, dtype, aliases, group, device_mesh, layout, transfer, reuse=all(a[1] for a in every)
     )
-    source.watch = None if remote is None else remote.ping
+    source.watch = None if remote is None else remote.watch
     before = SourceStats(**vars(source.stats))
     outcome, local = _feed_remote(remote, source) if remote is not None else _feed(llm, source, rank)
     every = gather_or_raise(outcome, local, rank, group, device)

@@ -31,6 +31,7 @@ engine stops feeding its reload there and answers which rank it was.
 from __future__ import annotations
 
 import pickle
+import threading
 import time
 from collections.abc import Callable, Iterator
 from datetime import timedelta
@@ -49,6 +50,8 @@ from .vllm_engine import refresh_experts, worker_info
 
 _PREFIX = "streamload/sync/"
 _LINKS: dict[str, Any] = {}  # in the engine's worker: link id -> its transfer group
+# How long a transfer's watch waits for the engine's store to answer (a stopped engine's process).
+WATCH_SECONDS = 5.0
 _CHUNK = 4 << 20  # a TCPStore value is at most 8 MiB: larger messages go in pieces
 
 
@@ -238,6 +241,10 @@ def worker_receive(
     }
 
 
+def _said(exc: BaseException | None) -> str:
+    return f"{type(exc).__name__}: {exc}"
+
+
 def _rss() -> int:
     import psutil
 
@@ -297,16 +304,36 @@ class RemoteEngine:
 
     # The engine's questions, answered from the store (a dead engine process took it along).
 
-    def ping(self) -> None:
-        """Raises EngineDeadError unless the engine's process still answers."""
-        try:
-            self.store.add(_PREFIX + "ping", 0)
-        except Exception as exc:  # noqa: BLE001 - any failure of the store means the process is gone
+    def ping(self, timeout: float | None = None) -> None:
+        """Raises EngineDeadError unless the engine's process still answers within ``timeout``
+        seconds (None: the link's). The store is served by a thread of its own in the engine's
+        process, so a busy engine answers; a dead one does not, nor a stopped one (whose socket
+        still takes the request: no store call bounds its wait for the reply, so the request
+        runs in a thread of its own, waited for ``timeout``)."""
+        limit = min(timeout or self.timeout, self.timeout)
+        box: dict[str, BaseException | None] = {}
+
+        def ask() -> None:
+            try:
+                self.store.add(_PREFIX + "ping", 0)
+                box["error"] = None
+            except Exception as exc:  # noqa: BLE001 - any failure of the store means the process is gone
+                box["error"] = exc
+
+        asking = threading.Thread(target=ask, name="streamload-engine-ping", daemon=True)
+        asking.start()
+        asking.join(limit)
+        if "error" not in box or box["error"] is not None:
+            why = f"no answer within {limit:g} s" if "error" not in box else _said(box["error"])
             raise EngineDeadError(
-                f"the engine at {self.address} does not answer ({type(exc).__name__}: {exc})",
+                f"the engine at {self.address} does not answer ({why})",
                 rank=self.rank,
                 hint="restart the engine process and connect a new RemoteEngine",
-            ) from exc
+            ) from box.get("error")
+
+    def watch(self) -> None:
+        """``ping`` with a short wait: what a transfer's collective calls between its slices."""
+        self.ping(WATCH_SECONDS)
 
     def probe(self) -> dict[str, Any]:
         """The engine's config and ties (as it posted them), once its process still answers."""
