@@ -24,7 +24,8 @@ import streamload
 import streamload.sync.source as sync_source
 
 HOST = "127.0.0.1"
-FAULTY = "model.layers.1."  # the layer group faults hit (group 2 of 4: the pass is under way)
+FAULTY = "model.layers.1."
+STALL_SECONDS = 8.0  # an engine stuck this long, against a sync's timeout=3  # the layer group faults hit (group 2 of 4: the pass is under way)
 
 
 class PlainWorker:
@@ -34,14 +35,15 @@ class PlainWorker:
         model: the engine's model (hub names are its parameter names).
         die_on: SIGKILL this process when the ``die_on``-th reload reaches ``FAULTY`` (0: never).
         fail_on: raise in the ``fail_on``-th reload when it reaches ``FAULTY`` (0: never).
+        stall_on: sleep ``STALL_SECONDS`` in the ``stall_on``-th reload at ``FAULTY`` (0: never).
     """
 
-    def __init__(self, model: torch.nn.Module, die_on: int = 0, fail_on: int = 0) -> None:
+    def __init__(self, model: torch.nn.Module, die_on: int = 0, fail_on: int = 0, stall_on: int = 0) -> None:
         self.model = model
         self.model_runner = self
         self.model_config = SimpleNamespace(hf_config=model.config)
         self.device = torch.device("cpu")
-        self.die_on, self.fail_on, self.reloads = die_on, fail_on, 0
+        self.die_on, self.fail_on, self.stall_on, self.reloads = die_on, fail_on, stall_on, 0
 
     def get_model(self) -> torch.nn.Module:
         return self.model
@@ -54,6 +56,9 @@ class PlainWorker:
                 how = signal.SIGSTOP if os.environ.get("ENGINE_STOPS") else signal.SIGKILL
                 print(f"engine {os.getpid()}: {how.name} mid-transfer", file=sys.stderr, flush=True)
                 os.kill(os.getpid(), how)
+            if name.startswith(FAULTY) and self.reloads == self.stall_on:
+                time.sleep(STALL_SECONDS)
+                self.stall_on = 0
             if name.startswith(FAULTY) and self.reloads == self.fail_on:
                 raise RuntimeError(f"injected reload failure at {name}")
             with torch.no_grad():
@@ -134,9 +139,12 @@ def _try(fn: Any, *args: Any, **kwargs: Any) -> dict[str, Any]:
 
 def case_colocated(rank: int, world: int, *, ckpt: str) -> dict[str, Any]:
     """Each rank's own plain engine: rank 1 fails to pack a group, then rank 1's engine fails to
-    reload mid-pass; each is one named SyncError on every rank, and the next sync is whole."""
+    reload mid-pass; each is one named SyncError on every rank, and the next sync is whole. Last,
+    rank 1's engine stalls longer than the sync's timeout: the peer's collective gives up."""
     model = _model(ckpt, world)
-    llm = PlainLLM(PlainWorker(_engine_model(ckpt), fail_on=3 if rank == 1 else 0))
+    llm = PlainLLM(
+        PlainWorker(_engine_model(ckpt), fail_on=3 if rank == 1 else 0, stall_on=5 if rank == 1 else 0)
+    )
     out: dict[str, Any] = {"first": _try(streamload.sync_weights, model, llm, timeout=30)}
     undo = _pack_fails_on(rank, 1)
     out["pack"] = _try(streamload.sync_weights, model, llm, timeout=30)
@@ -144,6 +152,8 @@ def case_colocated(rank: int, world: int, *, ckpt: str) -> dict[str, Any]:
     out["reload"] = _try(streamload.sync_weights, model, llm, timeout=30)
     out["after"] = _try(streamload.sync_weights, model, llm, timeout=30)
     out["equal"] = checksum(llm) == _trainer_sum(model)  # collective: every rank
+    # Last (the group is unusable after it): rank 1's engine stalls mid-pass, longer than timeout=.
+    out["stall"] = _try(streamload.sync_weights, model, llm, timeout=3)
     return out
 
 

@@ -184,3 +184,13 @@ def test_engine_stopped_mid_transfer_is_bounded(tmp_path: Path) -> None:
     for rank, r in enumerate(out):
         assert r["raised"] == "EngineDeadError" and "does not answer" in r["message"], (rank, r)
         assert r["seconds"] < 20, (rank, r)
+
+
+def test_a_collective_waits_at_most_the_syncs_timeout(faults: dict[str, Any]) -> None:
+    # rank 1's engine stalls 8 s mid-pass (alive, not pulling); sync timeout=3
+    for rank, r in enumerate(faults["colocated"]):
+        s = r["stall"]
+        assert s["raised"] == "RankLostError", (rank, s)
+        assert s["seconds"] < 3 + 3 + 8, (rank, s)  # the deadline, the roll call's wait, the stall
+    print(f"a stalled engine: {[(r['stall']['raised'], round(r['stall']['seconds'], 1)) for r in faults['colocated']]}",
+          file=sys.stderr)  # fmt: skip
