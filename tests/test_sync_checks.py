@@ -194,3 +194,17 @@ def test_a_collective_waits_at_most_the_syncs_timeout(faults: dict[str, Any]) ->
         assert s["seconds"] < 3 + 3 + 8, (rank, s)  # the deadline, the roll call's wait, the stall
     print(f"a stalled engine: {[(r['stall']['raised'], round(r['stall']['seconds'], 1)) for r in faults['colocated']]}",
           file=sys.stderr)  # fmt: skip
+
+
+def test_an_engine_of_another_link_protocol_is_refused() -> None:
+    """The trainer and the engine must read the group buffers' flag words alike: an engine that
+    posts another link protocol (an older streamload: none) is refused before the transfer group."""
+    import torch.distributed as dist
+
+    from streamload import SyncError
+    from streamload.sync import remote
+
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    remote._put(store, remote._PREFIX + "info", {"trainers": 1})
+    with pytest.raises(SyncError, match=f"link protocol 1, this trainer {remote.PROTOCOL}"):
+        remote.RemoteEngine("127.0.0.1", store.port, timeout=5)

@@ -53,6 +53,9 @@ _LINKS: dict[str, Any] = {}  # in the engine's worker: link id -> its transfer g
 # How long a transfer's watch waits for the engine's store to answer (a stopped engine's process).
 WATCH_SECONDS = 5.0
 _CHUNK = 4 << 20  # a TCPStore value is at most 8 MiB: larger messages go in pieces
+# The link's wire format (the group buffers' trailing flag words, the requests): both sides must
+# speak the same one. Raise it with any change to either.
+PROTOCOL = 2
 
 
 def _put(store: Any, key: str, obj: Any) -> None:
@@ -113,6 +116,7 @@ class EngineServer:
         )
         info = dict(llm.collective_rpc(worker_info)[0])
         info["trainers"] = trainers
+        info["protocol"] = PROTOCOL
         _put(self.store, _PREFIX + "info", info)
         self.handled = 0
 
@@ -286,6 +290,13 @@ class RemoteEngine:
         self.timeout = timeout
         self.store = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=timeout))
         self.info: dict[str, Any] = _take(self.store, _PREFIX + "info", timeout)
+        if self.info.get("protocol") != PROTOCOL:
+            # Another streamload on the engine's side would misread the flag words of every group.
+            raise SyncError(
+                f"the engine at {host}:{port} speaks link protocol {self.info.get('protocol', 1)}, this "
+                f"trainer {PROTOCOL}: run the same streamload version on both sides",
+                rank=self.rank,
+            )
         if self.info["trainers"] != self.world:
             raise SyncError(
                 f"the engine at {host}:{port} expects {self.info['trainers']} trainer ranks, this job has {self.world}",
