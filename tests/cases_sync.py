@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import os
 import tempfile
+import time
 import warnings
 from collections.abc import Iterator
 from typing import Any
@@ -148,3 +149,59 @@ def case_source(
         assert all(t is None for t in got.values())
     del group
     return result
+
+
+def case_groups_held(rank: int, world: int, *, ckpt: str, ws: int) -> dict[str, list[int]] | None:
+    """A plain pass consumed as vLLM's ``load_weights`` loop does (its loop variable holds the last
+    tensor it took while it asks for the next): for each group materialised, how many earlier
+    group buffers were still alive then."""
+    import weakref
+
+    from streamload.sync.source import HubSource
+
+    mesh = mesh_for(ws)
+    if mesh is None:
+        return None
+    group = subgroup(ws)
+    model = streamload.from_pretrained(ckpt, device_mesh=mesh, dtype=torch.float32, progress=False)
+    src = HubSource(model, process_group=group)
+    import numpy as np
+
+    real, real_zeros = HubSource._materialise, torch.zeros
+    refs: list[Any] = []  # each group buffer's memory: a numpy array, alive while any view is
+    alive: list[int] = []
+
+    def zeros(*size: Any, dtype: Any = None, device: Any = None, **kw: Any) -> torch.Tensor:
+        if dtype is torch.uint8 and len(size) == 1 and isinstance(size[0], int) and device == torch.device("cpu"):
+            arr = np.zeros(size[0], dtype=np.uint8)
+            refs.append(weakref.ref(arr))
+            return torch.from_numpy(arr)
+        return real_zeros(*size, dtype=dtype, device=device, **kw)
+
+    def materialise(self: HubSource, g: Any) -> Any:
+        # gloo's worker thread lets go of a finished collective's tensors shortly after it ends:
+        # a second's grace, so only a hold of streamload's or the consumer's is counted.
+        deadline = time.monotonic() + 1.0
+        while any(r() is not None for r in refs) and time.monotonic() < deadline:
+            time.sleep(0.005)
+        alive.append(sum(r() is not None for r in refs))
+        return real(self, g)
+
+    HubSource._materialise = materialise  # type: ignore[method-assign]
+    torch.zeros = zeros  # type: ignore[assignment]
+    try:
+        last = None
+        for _name, tensor in src:
+            last = tensor  # noqa: F841 - held, as a consumer's loop variable is
+    finally:
+        HubSource._materialise = real  # type: ignore[method-assign]
+        torch.zeros = real_zeros  # type: ignore[assignment]
+    assert len(refs) == len(alive) == len(src.groups()), (len(refs), alive)
+    from streamload.sync.source import DETACH_LAST_BYTES
+
+    # Only a previous group whose last tensor is its only one, or large, is still held (by the
+    # consumer's loop variable): the embeddings' group of a model sent without its tie's alias.
+    groups = src.planned_groups
+    held = [0] + [int(len(g.slots) == 1 or g.slots[-1].nbytes > DETACH_LAST_BYTES) for g in groups[:-1]]
+    del group
+    return {"alive": alive, "expected": held}

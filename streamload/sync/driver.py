@@ -132,7 +132,7 @@ def _sync(model: nn.Module, llm: Any, dtype: torch.dtype | None, group: Any, dev
     layout: Layout | None = None
     try:
         info = remote.probe() if remote is not None else _probe(llm, rank)
-        layout = output_layout(model, dtype=dtype)
+        layout = _layout(model, dtype)
         check_engine(layout, info["config"], rank)
         aliases = tie_aliases(info["ties"], layout.tensors)
     except BaseException as exc:  # noqa: BLE001 - agreed below: the same error on every rank
@@ -304,6 +304,16 @@ def _source(
     )
     _SOURCES[model] = (key, source)
     return source
+
+
+def _layout(model: nn.Module, dtype: torch.dtype | None) -> Layout:
+    """The hub layout of ``model``: the cached plan's while it still holds the model's own tensors
+    in the same dtype (planning a per-expert MoE layout runs transformers' reverse conversion on
+    meta tensors of every parameter: tenths of a second a sync), else planned afresh."""
+    cached = _SOURCES.get(model)
+    if cached is not None and cached[0][0] == dtype and _plan_current(model):
+        return cached[1].layout
+    return output_layout(model, dtype=dtype)
 
 
 def _plan_current(model: nn.Module) -> bool:

@@ -45,6 +45,8 @@ from .errors import SyncError
 from .groups import FLAG_BYTES, Group, Slot, plan_groups
 
 ALL = "all"
+# The last tensor of a group is yielded as a copy of its own when at most this large.
+DETACH_LAST_BYTES = 4 << 20
 
 
 @dataclass(frozen=True)
@@ -166,10 +168,12 @@ class HubSource:
         self._groups = [
             Group(
                 g.index,
-                tuple(
-                    x
-                    for s in g.slots
-                    for x in (s, *(replace(s, name=a) for a in self.aliases.get(s.name, ())))
+                _smallest_last(
+                    [
+                        x
+                        for s in g.slots
+                        for x in (s, *(replace(s, name=a) for a in self.aliases.get(s.name, ())))
+                    ]
                 ),
                 g.nbytes,
             )
@@ -206,9 +210,15 @@ class HubSource:
         """A fresh pass: ``(name, tensor)`` in ``metadata()`` order, one collective per group.
 
         On ranks that do not receive (``receivers`` = another rank) the tensors are None.
+
+        No reference to a group's tensors is left here when the next group is materialised
+        (only the consumer's own, to the last tensor it took: ``iter_groups``).
         """
         for names, tensors in self.iter_groups():
-            yield from zip(names, tensors, strict=True)
+            pairs = list(zip(names, tensors, strict=True))[::-1]
+            del names, tensors
+            while pairs:
+                yield pairs.pop()
 
     def iter_groups(self) -> Iterator[tuple[list[str], list[torch.Tensor | None]]]:
         """A fresh pass, one ``(names, tensors)`` batch per layer group (one collective each).
@@ -240,7 +250,15 @@ class HubSource:
             if buf is None:
                 yield g.names, [None] * len(g.slots)
             else:
-                yield g.names, [s.view(buf) for s in g.slots]
+                tensors = [s.view(buf) for s in g.slots]
+                last = g.slots[-1]
+                if len(g.slots) > 1 and last.nbytes <= DETACH_LAST_BYTES:
+                    # A consumer's loop still holds the last tensor it took while it asks for
+                    # the next one: a copy of its own (a norm, small) keeps that hold off the
+                    # group buffer, which then goes before the next group is made (peak: one group).
+                    tensors[-1] = tensors[-1].clone()
+                yield g.names, tensors
+                del tensors
             del buf
         self.stats.passes += 1
         self.stats.per_pass.append(self.stats.collectives - before)
@@ -317,6 +335,17 @@ class HubSource:
         if count and self.failed is None and self.peer_failed is None:
             self.peer_failed = peer_failure(count, ids, g)
         return buf[: g.nbytes]
+
+
+def _smallest_last(slots: list[Slot]) -> tuple[Slot, ...]:
+    """``slots`` in order, their smallest moved last (``iter_groups`` yields the last one as a copy
+    of its own); an alias stays right after its tensor."""
+    if len(slots) < 2:
+        return tuple(slots)
+    small = min(range(len(slots)), key=lambda i: (slots[i].nbytes, -i))
+    if any(s.offset == slots[small].offset for j, s in enumerate(slots) if j != small):
+        return tuple(slots)  # an aliased tensor: it and its aliases keep their places
+    return (*slots[:small], *slots[small + 1 :], slots[small])
 
 
 def _deadline() -> float | None:

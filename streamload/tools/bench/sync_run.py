@@ -7,15 +7,18 @@ model with float32 masters (``from_pretrained``) and each starts a colocated in-
 engine of the same checkpoint (verl's hybrid engine). Then, ``repeat`` times, the ways take turns:
 
 - ``streamload``: ``sync_weights(model, llm)`` - one collective per layer group into
-  ``reload_weights``; assembly = ``pack_seconds`` (zero-fill + copies of own pieces).
+  ``reload_weights``.
 - ``module_source``: vLLM's ``ModuleSource`` (``full_tensor()`` per parameter, what verl and AReaL
   effectively do) into ``reload_weights``, each fused expert tensor split by transformers' own
-  ``revert_weight_conversion`` so the engine can load it; transport = time in ``full_tensor``,
-  assembly = the rest of the producer's time (the split, the iteration).
+  ``revert_weight_conversion`` so the engine can load it; transport = time in ``full_tensor``.
 - ``save_reload``: ``streamload.save_pretrained`` to local disk, then
   ``reload_weights(weights_path=...)``; the save is its transport (the disk) and its assembly is
   not separable (reported as 0, its time under transport).
 - ``floor``: the same bytes (the hub layout's) all-gathered in ONE collective, no engine.
+
+For every way, engine = the time inside the engine's reload less the time its weights iterator
+took; assembly = the sync's seconds less transport and engine (packing, planning, probing the
+engine, agreements, the experts' split): what the sender adds.
 
 Each rank samples its own RssAnon every 10 ms during a run: peak extra = peak - baseline just
 before the run. Results: a JSON list on stdout's last line.
@@ -164,7 +167,7 @@ def _rank_main(rank: int, world: int, init: str, ckpt: str, repeat: int, q: Any)
                     r = streamload.sync_weights(model, llm)
                     row = {
                         "seconds": r.seconds,
-                        "assembly": r.pack_seconds,
+                        "pack": r.pack_seconds,
                         "transport": r.wire_seconds,
                         "engine": r.engine_seconds - r.pack_seconds - r.wire_seconds,
                         "group_bytes": r.peak_group_bytes,
@@ -187,6 +190,9 @@ def _rank_main(rank: int, world: int, init: str, ckpt: str, repeat: int, q: Any)
                     row = {"transport": time.perf_counter() - t1, "assembly": 0.0, "engine": 0.0}
                     row["seconds"] = row["transport"]
                     del src, dst
+                # Assembly, for every way alike: the sync's time in neither the transport nor the
+                # engine's own load (packing, planning, probing the engine, agreements, the split).
+                row["assembly"] = max(0.0, row["seconds"] - row["transport"] - row["engine"])
                 row["peak_extra"] = peak.stop()
                 row.update(way=way, rep=rep, rank=rank, world=world, hub_bytes=hub_bytes)
                 rows.append(row)
