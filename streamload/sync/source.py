@@ -250,13 +250,13 @@ class HubSource:
             if buf is None:
                 yield g.names, [None] * len(g.slots)
             else:
-                tensors = [s.view(buf) for s in g.slots]
+                tensors: list[torch.Tensor | None] = [s.view(buf) for s in g.slots]
                 last = g.slots[-1]
                 if len(g.slots) > 1 and last.nbytes <= DETACH_LAST_BYTES:
                     # A consumer's loop still holds the last tensor it took while it asks for
                     # the next one: a copy of its own (a norm, small) keeps that hold off the
                     # group buffer, which then goes before the next group is made (peak: one group).
-                    tensors[-1] = tensors[-1].clone()
+                    tensors[-1] = g.slots[-1].view(buf).clone()
                 yield g.names, tensors
                 del tensors
             del buf
