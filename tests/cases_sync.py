@@ -167,16 +167,17 @@ def case_groups_held(rank: int, world: int, *, ckpt: str, ws: int) -> dict[str, 
     src = HubSource(model, process_group=group)
     import numpy as np
 
-    real, real_zeros = HubSource._materialise, torch.zeros
+    from streamload.sync import source as source_mod
+
+    real, real_zeros, keep = HubSource._materialise, np.zeros, source_mod._BufferPool.KEEP
     refs: list[Any] = []  # each group buffer's memory: a numpy array, alive while any view is
     alive: list[int] = []
 
-    def zeros(*size: Any, dtype: Any = None, device: Any = None, **kw: Any) -> torch.Tensor:
-        if dtype is torch.uint8 and len(size) == 1 and isinstance(size[0], int) and device == torch.device("cpu"):
-            arr = np.zeros(size[0], dtype=np.uint8)
+    def zeros(n: Any, dtype: Any = None, **kw: Any) -> Any:
+        arr = real_zeros(n, dtype=dtype, **kw)
+        if dtype is np.uint8 and isinstance(n, int):
             refs.append(weakref.ref(arr))
-            return torch.from_numpy(arr)
-        return real_zeros(*size, dtype=dtype, device=device, **kw)
+        return arr
 
     def materialise(self: HubSource, g: Any) -> Any:
         # gloo's worker thread lets go of a finished collective's tensors shortly after it ends:
@@ -188,14 +189,17 @@ def case_groups_held(rank: int, world: int, *, ckpt: str, ws: int) -> dict[str, 
         return real(self, g)
 
     HubSource._materialise = materialise  # type: ignore[method-assign]
-    torch.zeros = zeros  # type: ignore[assignment]
+    # Every group in a buffer of its own (no reuse), whose life the weak references watch.
+    source_mod._BufferPool.KEEP = 0
+    source_mod.np.zeros = zeros  # type: ignore[assignment]
     try:
         last = None
         for _name, tensor in src:
             last = tensor  # noqa: F841 - held, as a consumer's loop variable is
     finally:
         HubSource._materialise = real  # type: ignore[method-assign]
-        torch.zeros = real_zeros  # type: ignore[assignment]
+        source_mod.np.zeros = real_zeros  # type: ignore[assignment]
+        source_mod._BufferPool.KEEP = keep
     assert len(refs) == len(alive) == len(src.groups()), (len(refs), alive)
     from streamload.sync.source import DETACH_LAST_BYTES
 

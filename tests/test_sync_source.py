@@ -93,3 +93,25 @@ def test_a_pass_holds_one_group_at_a_time(group: RankGroup, ckpts, mt: str) -> N
     res = group.run(cases.case_groups_held, ckpt=ckpts[mt], ws=2)[:2]
     for r in res:
         assert r["alive"] == r["expected"] and sum(r["expected"]) <= 1, r
+
+
+def test_group_buffers_are_reused_once_nothing_holds_them() -> None:
+    """A pass reuses a group buffer's memory for a later group only when no tensor of the earlier
+    group is alive (zeroed again); a buffer someone still holds is never handed out."""
+    from streamload.sync.source import _BufferPool
+
+    pool = _BufferPool(torch.device("cpu"))
+    a = pool.take(1000, 4096)
+    a.fill_(7)
+    ptr = a.data_ptr()
+    view = a[10:20]
+    b = pool.take(2000, 4096)  # `a` is still held (and its view): new memory
+    assert b.data_ptr() != ptr and int(b.sum()) == 0
+    del a
+    c = pool.take(3000, 4096)  # the view still holds the first buffer
+    assert c.data_ptr() not in (ptr, b.data_ptr())
+    del view, b
+    d = pool.take(4000, 4096)  # nothing holds the first buffer now: reused, zeroed
+    assert d.data_ptr() == ptr and d.numel() == 4000 and int(d.sum()) == 0
+    pool.clear()
+    assert pool.arrays == []

@@ -41,6 +41,8 @@ class SyncReport:
         groups: layer groups sent (one collective each).
         bytes: group buffer bytes.
         peak_group_bytes: the largest group buffer (peak extra memory).
+        held_groups: the most group buffers alive at once on this rank (CPU; 1: each group let go
+            before the next was made; more: the engine still held an earlier group's tensors).
         aliases: engine names sent beside a hub tensor (the engine's ties).
         refreshed: MoE layers whose experts were re-packed after the reload.
         engine_rss: the engine process's resident bytes after the sync (a separate engine, as
@@ -54,6 +56,7 @@ class SyncReport:
     groups: int = 0
     bytes: int = 0
     peak_group_bytes: int = 0
+    held_groups: int = 0
     aliases: dict[str, list[str]] = field(default_factory=dict)
     refreshed: int = 0
     engine_rss: int = 0
@@ -165,6 +168,7 @@ def _sync(model: nn.Module, llm: Any, dtype: torch.dtype | None, group: Any, dev
         groups=s.groups - before.groups,
         bytes=s.bytes - before.bytes,
         peak_group_bytes=source.largest_group_bytes,
+        held_groups=s.held_groups,
         aliases=aliases,
         refreshed=int(outcome.get("refreshed", 0)),
         engine_rss=int(outcome.get("rss", 0)),

@@ -24,11 +24,14 @@ vLLM; ``vllm_weight_source`` wraps it into vLLM's own ABC where a backend checks
 
 from __future__ import annotations
 
+import sys
 import time
+import weakref
 from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -70,6 +73,8 @@ class SourceStats:
         peak_group_bytes: the largest group buffer (the peak extra memory of a pass).
         pack_seconds: time spent zero-filling and copying own pieces (sender-side assembly).
         wire_seconds: time spent in the collectives.
+        held_groups: the most group buffers alive at once in the last pass (on the CPU: the one being
+            made and any an earlier group's tensors still held - the consumer's, the engine's).
     """
 
     passes: int = 0
@@ -79,6 +84,7 @@ class SourceStats:
     peak_group_bytes: int = 0
     pack_seconds: float = 0.0
     wire_seconds: float = 0.0
+    held_groups: int = 0
     per_pass: list[int] = field(default_factory=list)
 
 
@@ -184,6 +190,7 @@ class HubSource:
             by_name.setdefault(p.key, []).append(p)
         self._pieces = [[(s, p) for s in g.slots for p in by_name.get(s.name, ())] for g in self._groups]
         self.stats = SourceStats()
+        self._pool = _BufferPool(self.device)
 
     # -- vLLM's WeightSource shape -------------------------------------------------------------
 
@@ -260,6 +267,8 @@ class HubSource:
                 yield g.names, tensors
                 del tensors
             del buf
+        # Nothing is kept between passes (the engine may still hold the last group).
+        self.stats.held_groups = self._pool.clear()
         self.stats.passes += 1
         self.stats.per_pass.append(self.stats.collectives - before)
         if self.failed is not None:
@@ -295,7 +304,7 @@ class HubSource:
         t0 = time.perf_counter()
         # The group's bytes, then FLAG_BYTES: (ranks failed, sum of their rank + 1) as int32
         # words, summed by the same collective (no extra one).
-        buf = torch.zeros(g.nbytes + FLAG_BYTES, dtype=torch.uint8, device=self.device)
+        buf = self._pool.take(g.nbytes + FLAG_BYTES, self.largest_group_bytes)
         if self.failed is None:
             slot: Slot | None = None
             try:
@@ -335,6 +344,62 @@ class HubSource:
         if count and self.failed is None and self.peer_failed is None:
             self.peer_failed = peer_failure(count, ids, g)
         return buf[: g.nbytes]
+
+
+class _BufferPool:
+    """Zeroed group buffers for one pass, their memory reused once nothing holds it.
+
+    On the CPU a buffer is a numpy array (``calloc``: fresh pages are zero already and only those
+    a group touches become resident) that the group's tensor views through ``torch.from_numpy``;
+    the array's reference count (``sys.getrefcount``) tells whether any tensor of that group is
+    still alive - the consumer's, or the engine's that kept a view. A free one is zeroed and reused
+    for the next group (no page faults, no new mapping per group); one still held is left alone
+    and another made. Cleared at the end of each pass. On a device: a fresh ``torch.zeros`` each
+    time (its caching allocator already reuses).
+    """
+
+    KEEP = 2
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.arrays: list[np.ndarray] = []
+        self.made: list[weakref.ref[np.ndarray]] = []  # every array of the pass
+        self.most_held = 0  # the most group buffers held at once (by anyone) in the pass
+
+    def take(self, nbytes: int, size: int) -> torch.Tensor:
+        """A zeroed uint8 tensor of ``nbytes`` (arrays of ``size`` bytes, the largest group's)."""
+        if self.device.type != "cpu":
+            return torch.zeros(nbytes, dtype=torch.uint8, device=self.device)
+        self.most_held = max(self.most_held, self._held() + 1)
+        for i in range(len(self.arrays)):
+            # The list's reference and getrefcount's own argument: no tensor holds this array.
+            if self.arrays[i].nbytes >= nbytes and sys.getrefcount(self.arrays[i]) == 2:
+                buf = torch.from_numpy(self.arrays[i][:nbytes])
+                buf.zero_()
+                return buf
+        arr = np.zeros(max(nbytes, size), dtype=np.uint8)
+        self.made.append(weakref.ref(arr))
+        if len(self.arrays) < self.KEEP:
+            self.arrays.append(arr)
+        return torch.from_numpy(arr[:nbytes])
+
+    def _held(self) -> int:
+        """How many of the pass's arrays a tensor still holds."""
+        pooled = {id(a) for a in self.arrays}
+        n = 0
+        for r in self.made:
+            a = r()
+            # References here: ``a``, getrefcount's argument, and the pool's list if pooled.
+            if a is not None and sys.getrefcount(a) > 2 + (id(a) in pooled):
+                n += 1
+            del a
+        return n
+
+    def clear(self) -> int:
+        """Ends the pass; returns the most group buffers that were held at once in it."""
+        most, self.most_held = self.most_held, 0
+        self.arrays, self.made = [], []
+        return most
 
 
 def _smallest_last(slots: list[Slot]) -> tuple[Slot, ...]:

@@ -125,7 +125,8 @@ def sync_table(rows: list[dict[str, Any]]) -> str:
     groups = {(r["label"], r["world"]): r for r in rows if r["way"] == "streamload"}
     notes = [
         f"- {label} at {world} ranks: {r['hub_bytes'] / 2**20:.0f} MiB per sync in {r['groups']} groups, "
-        f"largest group {r['group_bytes'] / 2**20:.0f} MiB"
+        f"largest group {r['group_bytes'] / 2**20:.0f} MiB, at most {r.get('held_groups', 0)} group buffer(s) "
+        "alive at once on a rank"
         for (label, world), r in groups.items()
     ]
     return "\n".join(lines) + "\n\n" + "\n".join(notes)

@@ -171,6 +171,7 @@ def _rank_main(rank: int, world: int, init: str, ckpt: str, repeat: int, q: Any)
                         "transport": r.wire_seconds,
                         "engine": r.engine_seconds - r.pack_seconds - r.wire_seconds,
                         "group_bytes": r.peak_group_bytes,
+                        "held_groups": r.held_groups,
                         "groups": r.groups,
                     }
                 elif way == "module_source":
@@ -259,6 +260,7 @@ def summarise(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
             row[k + "_range"] = (min(v), max(v))
         if way == "streamload":
             row["group_bytes"] = first["group_bytes"]
+            row["held_groups"] = max(r.get("held_groups", 0) for r in rows if r["way"] == way)
             row["groups"] = first["groups"]
         out.append(row)
     return out
