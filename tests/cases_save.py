@@ -254,3 +254,42 @@ def case_one_rank_fails(
     parent = os.path.dirname(out)
     assert not os.path.exists(out) and os.listdir(parent) == [], os.listdir(parent)
     return {"error": str(err) if isinstance(err, SaveError) else repr(err)}
+
+
+def case_extra_files(rank: int, world: int, *, ws: int, out: str) -> dict[str, Any] | None:
+    """``extra_files`` (rank 0's tokenizer and the like) go into the temporary directory: a save
+    commits them with the weights; one whose extra files fail on rank 0 (half a file written)
+    is a SaveError on every rank, naming rank 0, and leaves the previous checkpoint as it was."""
+    from streamload.errors import SaveError
+
+    mesh = mesh_for(ws)
+    if mesh is None:
+        return None
+    model = _Plain()
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    model.col = torch.nn.Parameter(distribute_tensor(model.col.data, mesh, [Shard(1)]))
+
+    def tokenizer(version: int, fail: bool) -> Any:
+        def write(tmp: str) -> None:
+            with open(os.path.join(tmp, "tokenizer.json"), "w") as f:
+                f.write('{"version": %d, "vocab": ' % version)
+                if fail:
+                    raise OSError(28, "No space left on device (injected, tokenizer)")
+                f.write("{}}")
+
+        return write
+
+    streamload.save_pretrained(model, out, process_group=subgroup(ws), extra_files=tokenizer(1, False))
+    before = _files(out)
+    with torch.no_grad():
+        model.col.to_local().add_(1.0)  # the next save's weights differ
+    err: BaseException | None = None
+    try:
+        streamload.save_pretrained(model, out, process_group=subgroup(ws), extra_files=tokenizer(2, True))
+    except SaveError as exc:
+        err = exc
+    assert isinstance(err, SaveError) and err.rank == 0 and "tokenizer" in str(err), repr(err)
+    assert _files(out) == before, "a failed save changed the checkpoint"
+    parent = os.path.dirname(out)
+    return {"names": sorted(before), "tokenizer": before["tokenizer.json"], "left": sorted(os.listdir(parent))}

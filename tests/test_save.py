@@ -333,3 +333,12 @@ def test_layout_without_huggingface_hub_is_a_save_error(monkeypatch) -> None:
     with pytest.raises(SaveError) as err:
         output_layout(torch.nn.Linear(2, 2))
     assert err.value.hint is not None and "streamload[hf]" in err.value.hint
+
+
+def test_extra_files_commit_with_the_weights_or_not_at_all(group: RankGroup, tmp_path) -> None:
+    """Rank 0's extra files (a tokenizer) are part of the commit: a failure in them, half a file
+    written, leaves the previous checkpoint byte for byte (3 ranks)."""
+    res = group.run(cases.case_extra_files, ws=3, out=str(tmp_path / "o"), timeout=60)
+    for r in res:
+        assert "tokenizer.json" in r["names"] and r["tokenizer"] == b'{"version": 1, "vocab": {}}', r
+        assert r["left"] == ["o"], r  # no temporary directory left

@@ -10,10 +10,12 @@ The entry here has that signature and sends each rank its own shard only.
 ``Accelerator.save_model(model, save_directory, max_shard_size="10GB", safe_serialization=True)``
 under FSDP2 gathers ``get_model_state_dict(model, StateDictOptions(full_state_dict=True,
 broadcast_from_rank0=True, cpu_offload=True))`` (every full tensor all-gathered, rank 0 keeps a
-CPU copy of the whole model), drops tie aliases (``clean_state_dict_for_safetensors``: the first
-name stays), splits it with huggingface_hub's ``split_torch_state_dict_into_shards`` and writes
-the files and the index on the main process: the model's own names (fused experts stay fused),
-no config. ``save_model`` here writes the same files with ``save_pretrained(mapping="state_dict")``.
+CPU copy of the whole model), passes it through ``clean_state_dict_for_safetensors`` (which
+drops tie aliases only where they still share storage: the gathered CPU copies do not, so a tied
+``lm_head.weight`` is written a second time), splits it with huggingface_hub's
+``split_torch_state_dict_into_shards`` (by the gathered tensors' sizes, FSDP2's padding
+included) and writes the files and the index on the main process: the model's own names (fused
+experts stay fused), no config. ``save_model`` here writes the same files with ``save_pretrained(mapping="state_dict")``.
 """
 
 from __future__ import annotations
@@ -84,9 +86,12 @@ def save_model(
     (same signature and files; collective over the model's ranks).
 
     What accelerate writes, byte for byte (tests/test_client_accelerate_save.py): the model's
-    own state-dict names and dtypes, one name per tie (the first), the files
-    ``model.safetensors`` or ``model-0000i-of-0000n.safetensors`` split by ``max_shard_size``
-    as huggingface_hub splits them, ``model.safetensors.index.json`` when split, no config.
+    own state-dict names and dtypes, every name of a tie (accelerate's gathered copies no longer
+    share storage), the files ``model.safetensors`` or ``model-0000i-of-0000n.safetensors`` split
+    by ``max_shard_size``, ``model.safetensors.index.json`` when split, no config. The split is
+    by the tensors' data sizes, so the files do not depend on the rank count; accelerate's counts
+    FSDP2's padding and can put a tensor in another file on another rank count (the tensors are
+    equal either way).
     No rank gathers a full tensor; the directory's weight files are replaced atomically.
 
     Args:

@@ -8,8 +8,9 @@ cpu_offload=True)``), casts floating tensors to the compute dtype (``config.dtyp
 default, from fp32 masters), and rank 0 alone calls ``save_pretrained(path, state_dict=...)``, then
 ``model_config.save_pretrained(path)`` and the tokenizer / processor (not under LoRA). Here the
 weights are written by ``streamload.save_pretrained(dtype=compute dtype)``: every rank writes its
-own shards' bytes (cast in the packing copy), files committed atomically; rank 0 then writes
-AReaL's config and tokenizer / processor the same way, and the ranks meet on AReaL's barrier.
+own shards' bytes (cast in the packing copy); rank 0 writes AReaL's config and tokenizer /
+processor into the save's temporary directory (``extra_files``), so they are committed with the
+weights, atomically, or not at all.
 """
 
 from __future__ import annotations
@@ -17,13 +18,9 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from ..errors import SaveError
-from ..model.placement import resolve_device, resolve_group
 from ..save.driver import SaveReport, save_pretrained
-from ..transport.protocol import gather_or_raise
-from .areal import model_mesh
 
 # transformers' save_pretrained default, which AReaL's call keeps.
 MAX_SHARD_SIZE = "50GB"
@@ -54,7 +51,8 @@ def save_model_to_hf(
 
     Raises:
         SaveError: on every rank for a LoRA engine (AReaL's own save writes PEFT's adapter files
-            then, which this entry does not), or when any rank's write failed.
+            then, which this entry does not), or when any rank's write failed (rank 0's config,
+            tokenizer and processor included; the target is then untouched).
 
     Example:
         >>> FSDPEngine._save_model_to_hf = save_model_to_hf  # or the one-line diff in areal.md
@@ -67,6 +65,16 @@ def save_model_to_hf(
             "writes full checkpoints only: keep AReaL's own _save_model_to_hf for use_lora"
         )
     compute = getattr(torch, engine.config.dtype)
+
+    def processing(tmp: str) -> None:
+        # AReaL writes its model_config over the config.json save_pretrained wrote, then the
+        # tokenizer and processor: into the save's temporary directory, committed with the weights.
+        engine.model_config.save_pretrained(tmp)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(tmp)
+        if processor is not None:
+            processor.save_pretrained(tmp)
+
     report = save_pretrained(
         engine.model,
         path,
@@ -74,24 +82,7 @@ def save_model_to_hf(
         max_shard_size=kwargs.pop("max_shard_size", MAX_SHARD_SIZE),
         config=engine.model_config,
         timeout=timeout,
+        extra_files=processing,
         **kwargs,
     )
-    error: BaseException | None = None
-    if dist.get_rank() == 0:
-        try:
-            # AReaL writes its model_config over the config.json save_pretrained wrote.
-            engine.model_config.save_pretrained(path)
-            if tokenizer is not None:
-                tokenizer.save_pretrained(path)
-            if processor is not None:
-                processor.save_pretrained(path)
-        except Exception as exc:  # noqa: BLE001 - agreed below: every rank raises, none waits
-            error = exc
-    # AReaL's closing barrier, carrying rank 0's outcome.
-    mesh = model_mesh(engine.model)
-    group = resolve_group(None, mesh)
-    if group is not None:
-        gather_or_raise(None, error, dist.get_rank(), group, resolve_device(engine.model, mesh, group))
-    elif error is not None:
-        raise error
     return report

@@ -41,7 +41,10 @@ def save_hf(
 
     Args:
         model_parts: ``CheckpointManager.states[MODEL].model`` (one part: pipeline stages
-            hold different layers, which one save cannot yet combine).
+            hold different layers, which one save cannot yet combine; over the default group,
+            as called here, stages holding different parts plan different files and the save
+            is a SaveError on every rank, never a partial checkpoint: do not pass a stage's own
+            ``process_group``).
         checkpoint_id: the step directory (``self._create_checkpoint_id(curr_step)``).
         sd_adapter: torchtitan's state-dict adapter (``self.sd_adapter``).
         export_dtype: ``self.export_dtype``: floating-point tensors cast to it, as torchtitan's

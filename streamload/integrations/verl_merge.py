@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..errors import SaveError
+from ..errors import RemoteRankError, SaveError
 from ..model.placement import resolve_group
 from ..save.driver import SaveReport, save_pretrained
 from ..transport.protocol import gather_or_raise
@@ -148,19 +148,29 @@ def merge_fsdp_checkpoint(
         model = _build(hf_path, state, trust_remote_code)
         _fill(model, state)
         del state
-    except Exception as exc:  # noqa: BLE001 - agreed: every rank raises, none waits in the save
-        error = exc
-    gather_or_raise(None, error, rank, group, torch.device("cpu"))
+    except BaseException as exc:  # noqa: BLE001 - agreed: every rank raises, none waits in the save
+        error = exc if isinstance(exc, (SaveError, KeyboardInterrupt)) else _as_save_error(exc, rank)
+    try:
+        gather_or_raise(None, error, rank, group, torch.device("cpu"))
+    except RemoteRankError as exc:  # a peer's failure: the merge's promise is a SaveError, naming it
+        raise SaveError(exc.reason, file=exc.file, tensor=exc.tensor, rank=exc.rank, hint=exc.hint) from exc
     assert model is not None
     kwargs.setdefault("max_shard_size", "50GB")  # the merger's save_pretrained default
-    report = save_pretrained(model, target_dir, dtype=torch.bfloat16, timeout=timeout, **kwargs)
-    if rank == 0:
-        try:
-            _save_processing(hf_path, target_dir, trust_remote_code)
-        except Exception as exc:  # noqa: BLE001 - agreed below
-            error = exc
-    gather_or_raise(None, error, rank, group, torch.device("cpu"))
-    return report
+    # The tokenizer / processor go into the save's temporary directory: committed with the weights.
+    return save_pretrained(
+        model,
+        target_dir,
+        dtype=torch.bfloat16,
+        timeout=timeout,
+        extra_files=lambda tmp: _save_processing(hf_path, tmp, trust_remote_code),
+        **kwargs,
+    )
+
+
+def _as_save_error(exc: BaseException, rank: int) -> SaveError:
+    err = SaveError(f"the merge's input could not be read ({type(exc).__name__}: {exc})", rank=rank)
+    err.__cause__ = exc
+    return err
 
 
 def _save_processing(hf_path: str, target_dir: str, trust_remote_code: bool) -> None:

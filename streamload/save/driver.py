@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -121,6 +122,7 @@ def save_pretrained(
     timeout: float | None = None,
     quantize: str | None = None,
     mapping: Any = None,
+    extra_files: Callable[[str], Any] | None = None,
 ) -> SaveReport:
     """Writes ``model`` as the Hugging Face checkpoint transformers' ``save_pretrained``
     writes for the same gathered model; collective over the save's group.
@@ -163,6 +165,11 @@ def save_pretrained(
             the load's region form of its ``from_hf``, ``MappingError`` on every rank where
             that form does not invert it), or ``"state_dict"``: the model's own state-dict
             names, no conversion, weights only (accelerate's ``save_model``). None: transformers'.
+        extra_files: called on group rank 0 with the temporary directory once the weights and
+            configs are in it, before the commit: the checkpoint's other files (a tokenizer's
+            ``save_pretrained(dir)``), which then appear with the weights or not at all; a
+            failure in it is the save's ``SaveError`` on every rank, the target untouched. Other
+            ranks' value is ignored.
 
     Returns:
         SaveReport for this rank.
@@ -199,7 +206,9 @@ def save_pretrained(
     }
     try:
         with meeting("save_pretrained", group, timeout, agreed):
-            asked = _Asked(dtype, max_shard_size, writers, config, bucket, progress, quantize, mapping)
+            asked = _Asked(
+                dtype, max_shard_size, writers, config, bucket, progress, quantize, mapping, extra_files
+            )
             return _save(model, out_dir, asked, group, device_mesh)
     except RankLostError as exc:  # a peer died: the save's promise is a SaveError, the lost ranks named
         raise SaveError(exc.reason, rank=exc.rank, hint=exc.hint) from exc
@@ -217,6 +226,7 @@ class _Asked:
     progress: bool | None = None
     quantize: str | None = None
     mapping: Any = None
+    extra_files: Callable[[str], Any] | None = None  # group rank 0's only (a callable: not agreed)
 
 
 def _save(
@@ -333,6 +343,9 @@ def _write_all(
             model, asked.config, asked.dtype, layout, str(out.tmp_dir), rank == 0, quantization, configs
         )
         report.files = [f.name for f in layout.files] + small
+        if rank == 0 and asked.extra_files is not None:
+            # Into the temporary directory, before the commit: they appear with the weights or not at all.
+            asked.extra_files(str(out.tmp_dir))
         clock.mark("write")
     except BaseException as exc:
         # This rank's own planning failure when the agreement raised for it: finish re-raises

@@ -240,7 +240,7 @@ class Fp8Blocks:
         br, bc = self.choice.block
         lead = tuple(slice(lo - s, hi - s) for (lo, hi), s in zip(sub[:-2], grid.start, strict=False))
         (r0, r1), (c0, c1) = sub[-2], sub[-1]
-        dev = part.device  # a device shard is quantized where it lives; the grids stay on the host
+        dev = part.device  # the host: the writers stage device pieces first (save/stage.py)
         rows = torch.arange(r0, r1, device=dev) // br - grid.start[-2]
         cols = torch.arange(c0, c1, device=dev) // bc - grid.start[-1]
         scale = grid.scale[lead].to(dev).index_select(-2, rows).index_select(-1, cols)
