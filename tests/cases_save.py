@@ -273,7 +273,7 @@ def case_extra_files(rank: int, world: int, *, ws: int, out: str) -> dict[str, A
     def tokenizer(version: int, fail: bool) -> Any:
         def write(tmp: str) -> None:
             with open(os.path.join(tmp, "tokenizer.json"), "w") as f:
-                f.write('{"version": %d, "vocab": ' % version)
+                f.write(f'{{"version": {version}, "vocab": ')
                 if fail:
                     raise OSError(28, "No space left on device (injected, tokenizer)")
                 f.write("{}}")
