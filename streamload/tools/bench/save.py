@@ -391,6 +391,12 @@ def median_save(runs: Sequence[dict[str, Any]]) -> dict[str, Any]:
     row["runs"] = len(ok)
     verified = [r for r in runs if r.get("correct") is not None]
     row["correct"] = all(r["correct"] for r in verified) if verified else None
+    # The names as the verified run (the first repeat) found them, whichever run is the median.
+    named = [r for r in runs if r.get("hub_names") is not None]
+    if named:
+        for key in ("hub_names", "extra_keys", "missing_keys", "extra_key_count", "missing_key_count"):
+            if key in named[0]:
+                row[key] = named[0][key]
     return row
 
 
