@@ -6,6 +6,8 @@ import argparse
 import json
 from pathlib import Path
 
+import pytest
+
 from streamload.tools.cli import main
 from streamload.tools.synthetic import make_checkpoint
 
@@ -199,6 +201,7 @@ def test_options_parse_as_load_checkpoint_keywords() -> None:
     assert exit_.value.code == 2
 
 
+@pytest.mark.slow  # about 17 s: --runslow (CI time); the parsing test above runs by default
 def test_options_reach_the_streamload_strategy(tmp_path: Path) -> None:
     """A spawned run: ``--options read_mode=cold`` reaches from_pretrained as a keyword (rank 0's
     report shows cold reads, which the default warm mmap load never makes) and is recorded."""

@@ -37,6 +37,7 @@ def test_whole_objects_cut_in_chunks() -> None:
     ]
 
 
+@pytest.mark.slow  # about 30 s: --runslow (CI time); the share arithmetic above runs by default
 @pytest.mark.timeout(400)
 def test_bench_remote_every_strategy(tmp_path: Path) -> None:
     for module in ("moto", "obstore", "s3fs", "runai_model_streamer", "runai_model_streamer_s3"):

@@ -213,14 +213,25 @@ def test_moe_names_per_strategy(tmp_path: Path) -> None:
 
 def test_client_save_strategies_resolve_to_the_clients_own_code() -> None:
     """Each client's own export (and streamload's entry for it) is a strategy name of
-    ``bench --save``; where the framework is installed (CI: the clients extra) each resolves."""
-    import importlib.util
+    ``bench --save``; where the framework is installed (CI: the clients extra) each resolves.
+    In a process of its own: importing AReaL reconfigures logging (every existing logger
+    disabled, streamload's too), which would leak into the tests after this one."""
+    import subprocess
+    import sys
 
-    from streamload.tools.bench.save_strategies import CLIENT_SAVERS, saver_fn
-
-    needs = {"verl": "verl", "areal": "areal", "accelerate": "accelerate", "titan": "torchtitan"}
-    for name, target in CLIENT_SAVERS.items():
-        if importlib.util.find_spec(needs[name.split("_")[0]]) is None:
-            continue
-        fn = saver_fn(name)
-        assert callable(fn) and f"{fn.__module__}:{fn.__name__}" == target, name
+    code = """
+import importlib.util
+from streamload.tools.bench.save_strategies import CLIENT_SAVERS, saver_fn
+needs = {"verl": "verl", "areal": "areal", "accelerate": "accelerate", "titan": "torchtitan"}
+checked = 0
+for name, target in CLIENT_SAVERS.items():
+    if importlib.util.find_spec(needs[name.split("_")[0]]) is None:
+        continue
+    fn = saver_fn(name)
+    assert callable(fn) and f"{fn.__module__}:{fn.__name__}" == target, name
+    checked += 1
+print("checked", checked)
+"""
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.split()[-2:][0] == "checked", proc.stdout

@@ -425,7 +425,7 @@ def _tree(root: Path) -> dict[str, bytes]:
     return {p.name: p.read_bytes() for p in sorted(root.iterdir())}
 
 
-@pytest.mark.parametrize("eager", [False, True], ids=["lazy", "eager"])
+@pytest.mark.parametrize("eager", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["lazy", "eager"])
 def test_save_of_device_shards_stages_through_host_slots(
     group: RankGroup, ckpt: str, tmp_path: Path, eager: bool
 ) -> None:

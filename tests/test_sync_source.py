@@ -84,7 +84,7 @@ def test_source_casts_and_one_receiver(group: RankGroup, ckpts) -> None:
     assert all(r["collectives"] == {"reduce": 2 * r["groups"]} for r in res)
 
 
-@pytest.mark.parametrize("mt", list(MODELS))
+@pytest.mark.parametrize("mt", ["qwen2", "qwen3_moe"])
 def test_a_pass_holds_one_group_at_a_time(group: RankGroup, ckpts, mt: str) -> None:
     """Peak extra memory is one group: when a group is materialised no earlier group's buffer is
     alive, even with the consumer holding the last tensor it took (the group's smallest, yielded
