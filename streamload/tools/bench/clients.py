@@ -126,6 +126,25 @@ def load_areal_streamload_path(ckpt: str, mesh: Any, dtype: torch.dtype, opts: d
     return model
 
 
+def accelerate_launch_env() -> None:
+    """What `accelerate launch` with an FSDP config exports, for this rank of the existing process
+    group, and accelerate's cached state reset so that the next ``Accelerator`` reads it."""
+    from accelerate.state import AcceleratorState, PartialState
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    os.environ.update(
+        ACCELERATE_USE_FSDP="true",
+        RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(world),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT="29500",
+    )
+    AcceleratorState._reset_state(True)
+    PartialState._reset_state()
+
+
 def accelerate_prepare(ckpt: str, dtype: torch.dtype, load: Any = None) -> tuple[nn.Module, Any]:
     """accelerate's own FSDP2 flow on this rank: the launcher's environment,
     ``FullyShardedDataParallelPlugin(fsdp_version=2, cpu_ram_efficient_loading=True)``,
@@ -145,23 +164,10 @@ def accelerate_prepare(ckpt: str, dtype: torch.dtype, load: Any = None) -> tuple
     """
     import accelerate.utils.fsdp_utils as fsdp_utils
     from accelerate import Accelerator
-    from accelerate.state import AcceleratorState, PartialState
     from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
     from transformers import AutoModelForCausalLM
 
-    rank, world = dist.get_rank(), dist.get_world_size()
-    # What `accelerate launch` with an FSDP config exports (the process group exists already).
-    os.environ.update(
-        ACCELERATE_USE_FSDP="true",
-        RANK=str(rank),
-        WORLD_SIZE=str(world),
-        LOCAL_RANK=str(rank),
-        LOCAL_WORLD_SIZE=str(world),
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT="29500",
-    )
-    AcceleratorState._reset_state(True)
-    PartialState._reset_state()
+    accelerate_launch_env()
     original = fsdp_utils.fsdp2_load_full_state_dict
     try:
         if load is not None:

@@ -20,7 +20,6 @@ correctness pass (transformers' ``from_pretrained`` of the output) can load it.
 
 from __future__ import annotations
 
-import os
 from types import SimpleNamespace
 from typing import Any
 
@@ -28,6 +27,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from .clients import accelerate_launch_env
 from .save_strategies import _tied_keys
 
 
@@ -42,22 +42,9 @@ def fsdp2_accelerator() -> Any:
         True
     """
     from accelerate import Accelerator
-    from accelerate.state import AcceleratorState, PartialState
     from accelerate.utils import FullyShardedDataParallelPlugin
 
-    rank, world = dist.get_rank(), dist.get_world_size()
-    # What `accelerate launch` with an FSDP config exports.
-    os.environ.update(
-        ACCELERATE_USE_FSDP="true",
-        RANK=str(rank),
-        WORLD_SIZE=str(world),
-        LOCAL_RANK=str(rank),
-        LOCAL_WORLD_SIZE=str(world),
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT="29500",
-    )
-    AcceleratorState._reset_state(True)
-    PartialState._reset_state()
+    accelerate_launch_env()
     plugin = FullyShardedDataParallelPlugin(fsdp_version=2, cpu_ram_efficient_loading=True)
     return as_fsdp2(Accelerator(cpu=not torch.cuda.is_available(), fsdp_plugin=plugin), plugin)
 
