@@ -10,11 +10,15 @@ time kills the group, so a hang is a failure, never a stuck test run.
 
 from __future__ import annotations
 
+import faulthandler
 import importlib
 import multiprocessing as mp
 import os
 import queue
+import signal
+import sys
 import tempfile
+import time
 import traceback
 from typing import Any
 
@@ -25,6 +29,11 @@ class CaseError(AssertionError):
 
 def _worker(rank: int, world: int, init_file: str, commands: Any, results: Any) -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    # A hung rank's stacks (every thread) go to stderr when the parent gives up on it.
+    faulthandler.register(signal.SIGUSR1, file=sys.stderr, all_threads=True)
+    # Ctrl-C as in a torchrun rank, however the test run was started (a shell's background job
+    # inherits SIGINT ignored, and Python then installs no handler: the interrupt cases need it).
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     import torch
     import torch.distributed as dist
 
@@ -51,7 +60,11 @@ class RankGroup:
 
     def __init__(self, world: int) -> None:
         self.world = world
+        self._start()
+
+    def _start(self) -> None:
         ctx = mp.get_context("spawn")
+        world = self.world
         fd, self.init_file = tempfile.mkstemp(prefix="streamload_pg_")
         os.close(fd)
         os.unlink(self.init_file)
@@ -67,7 +80,10 @@ class RankGroup:
             p.start()
 
     def run(self, fn: Any, timeout: float = 180.0, **kwargs: Any) -> list[Any]:
-        """Runs ``fn`` on every rank; returns the per-rank results."""
+        """Runs ``fn`` on every rank; returns the per-rank results. A group killed by an
+        earlier hang is started afresh first (one hang fails one case, not the module)."""
+        if not any(p.is_alive() for p in self.procs):
+            self._start()
         for q in self.commands:
             q.put((fn.__module__, fn.__name__, kwargs))
         out: dict[int, Any] = {}
@@ -76,10 +92,12 @@ class RankGroup:
             try:
                 rank, ok, value = self.results.get(timeout=timeout)
             except queue.Empty:
+                hung = sorted(set(range(self.world)) - set(out) - set(errors))
+                self._dump_stacks(hung)
                 self.close(kill=True)
                 raise CaseError(
-                    f"{fn.__name__}: ranks {sorted(set(range(self.world)) - set(out) - set(errors))} "
-                    f"did not finish within {timeout}s (hang)"
+                    f"{fn.__name__}: ranks {hung} did not finish within {timeout}s (hang); "
+                    "their stacks are in the captured stderr"
                 ) from None
             (out if ok else errors)[rank] = value
         if errors:
@@ -88,6 +106,17 @@ class RankGroup:
                 + "\n".join(f"--- rank {r} ---\n{errors[r]}" for r in sorted(errors))
             )
         return [out[r] for r in range(self.world)]
+
+    def _dump_stacks(self, ranks: list[int]) -> None:
+        """Asks each hung rank for its threads' stacks (faulthandler, on stderr) before the kill."""
+        for r in ranks:
+            pid = self.procs[r].pid
+            if self.procs[r].is_alive() and pid is not None:
+                print(
+                    f"--- rank {r} (pid {pid}) did not finish; its stacks: ---", file=sys.stderr, flush=True
+                )
+                os.kill(pid, signal.SIGUSR1)
+        time.sleep(2.0)
 
     def close(self, kill: bool = False) -> None:
         if not kill:
