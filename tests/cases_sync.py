@@ -201,11 +201,11 @@ def case_groups_held(rank: int, world: int, *, ckpt: str, ws: int) -> dict[str, 
         source_mod.np.zeros = real_zeros  # type: ignore[assignment]
         source_mod._BufferPool.KEEP = keep
     assert len(refs) == len(alive) == len(src.groups()), (len(refs), alive)
-    from streamload.sync.source import DETACH_LAST_BYTES
+    from streamload.sync.source import pinned_bytes
 
-    # Only a previous group whose last tensor is its only one, or large, is still held (by the
-    # consumer's loop variable): the embeddings' group of a model sent without its tie's alias.
+    # Only a previous group whose last tensor is over half of it is still held (by the consumer's
+    # loop variable; a smaller one is moved off the buffer): the untied embeddings' group.
     groups = src.planned_groups
-    held = [0] + [int(len(g.slots) == 1 or g.slots[-1].nbytes > DETACH_LAST_BYTES) for g in groups[:-1]]
+    held = [0] + [int(pinned_bytes(g) == g.nbytes) for g in groups[:-1]]
     del group
     return {"alive": alive, "expected": held}

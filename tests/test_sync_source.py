@@ -115,3 +115,62 @@ def test_group_buffers_are_reused_once_nothing_holds_them() -> None:
     assert d.data_ptr() == ptr and d.numel() == 4000 and int(d.sum()) == 0
     pool.clear()
     assert pool.arrays == []
+
+
+def _plain_model(tmp_path, mt: str, tie: bool):  # type: ignore[no-untyped-def]
+    import streamload
+
+    path = make_checkpoint(str(tmp_path / mt), mt, dtype=torch.float32, seed=3, hidden_size=64,
+                           num_attention_heads=2, num_key_value_heads=1, layers=2, vocab=4096, tie=tie,
+                           intermediate_size=64)  # fmt: skip
+    return streamload.from_pretrained(str(path), dtype=torch.float32, progress=False)
+
+
+def test_held_tensors_move_off_their_buffer_and_tied_embeddings_go_last(tmp_path) -> None:
+    """A consumer that keeps tensors of a group (vLLM's loops keep the last ones they passed on) keeps
+    the same objects with the same values, moved off the group buffer when the next group is made, so
+    one buffer is alive at a time. A tied embedding with its alias (as large as their group: a hold on
+    it would pin the group) is sent last, in the final group: the order of the lower planned peak,
+    still vLLM's partition of the names in that order."""
+    from streamload.sync.source import HubSource, planned_peak
+
+    model = _plain_model(tmp_path, "qwen2", tie=True)
+    src = HubSource(model, aliases={"model.embed_tokens.weight": ["lm_head.weight"]})
+    groups = src.groups()
+    assert groups[-1][:2] == ["model.embed_tokens.weight", "lm_head.weight"], groups
+    assert groups == layer_groups([m.name for m in src.metadata()])
+    first = HubSource(model, aliases={"model.embed_tokens.weight": ["lm_head.weight"]})
+    kept: list[tuple[torch.Tensor, torch.Tensor]] = []
+    last = None
+    for name, t in src:
+        assert t is not None
+        last = t  # noqa: F841 - held while the next is asked for, as a consumer's loop variable is
+        if name.endswith("norm.weight"):
+            kept.append((t, t.clone()))  # and some small ones kept for good
+    assert src.stats.held_groups == 1 and src.stats.moved_bytes > 0, src.stats
+    assert all(torch.equal(t, want) for t, want in kept)
+    assert planned_peak(src.planned_groups) <= planned_peak(first._plan(_entries(first)))
+
+
+def test_a_large_hold_keeps_its_buffer_untouched(tmp_path) -> None:
+    """A consumer that keeps over half of a group (here: all of the first, as an engine buffering a
+    layer would) keeps that group's buffer: it is neither moved (that would double it) nor reused or
+    overwritten while later groups are made (held_groups 2)."""
+    from streamload.sync.source import HubSource
+
+    model = _plain_model(tmp_path, "llama", tie=False)
+    src = HubSource(model)
+    first = src.groups()[0]
+    it = iter(src)
+    held = [next(it) for _ in first]
+    want = [t.clone() for _, t in held]
+    rest = [(n, t.clone()) for n, t in it]  # every later group made while the first is held
+    assert [n for n, _ in held] == first and len(rest) > 10
+    assert all(torch.equal(t, w) for (_, t), w in zip(held, want, strict=True))
+    assert len({t.untyped_storage().data_ptr() for _, t in held}) == 1  # not moved: still the buffer
+    assert src.stats.held_groups == 2, src.stats
+
+
+def _entries(src):  # type: ignore[no-untyped-def]
+    """The hub tensors in the layout's own order (embeddings first)."""
+    return [(n, h.dtype, h.shape) for n, h in src.layout.tensors.items()]

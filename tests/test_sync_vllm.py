@@ -83,8 +83,13 @@ def test_synced_engine_equals_fresh_engine_of_the_save(found: dict[str, Any], ke
         else:
             assert r["spread"] == 0.0
         rep = r["report"]
-        assert rep.groups == 4  # embeddings, two layers, final norm (+ head): one collective each
+        # two layers, then the final norm (+ head) with the embeddings (the pass order of the lower
+        # planned peak, source.py): one collective each
+        assert rep.groups == 3
         assert rep.peak_group_bytes < rep.bytes / 2
+        # one group buffer alive at a time: what vLLM's loops still hold of the previous group when
+        # the next is made (the last stacked shard its name mapper passed on) was moved off it
+        assert rep.held_groups == 1, rep
         if key in ("moe", "dense_tied"):
             assert rep.aliases == {"model.embed_tokens.weight": ["lm_head.weight"]}
         else:
@@ -133,7 +138,7 @@ def test_named_errors_on_every_rank(found: dict[str, Any]) -> None:
         assert e["absent"][0] == "RankAbsentError" and "[1]" in e["absent"][1]
         # rank 0's engine died: every rank raises EngineDeadError naming rank 0
         assert e["dead"][:2] == ("EngineDeadError", 0)
-        assert e["after"] == 4  # and the next sync works
+        assert e["after"] == 3  # and the next sync works
 
 
 def test_runtime(found: dict[str, Any]) -> None:
@@ -157,7 +162,7 @@ def test_separate_engine_equals_fresh_engine_of_the_save(found: dict[str, Any], 
     assert r0["tokens_equal"] and r0["spread"] <= r0["fresh_spread"]
     for r in ranks:
         rep = r[key]["report"]
-        assert rep.groups == 4
+        assert rep.groups == 3
         assert rep.peak_group_bytes < rep.bytes / 2
         assert rep.aliases == (
             {} if key == "dense_untied" else {"model.embed_tokens.weight": ["lm_head.weight"]}
@@ -181,7 +186,14 @@ def test_separate_engine_named_errors_on_every_rank(found: dict[str, Any]) -> No
     for rank, r in enumerate(ranks):
         # a trainer model the engine does not serve (llama into a qwen2 engine): before any byte moved
         assert r["dense_tied"]["mismatch"] == ("EngineMismatchError", rank, 1, 6)
-        # the engine's process killed while the link is open
+        # the engine's process killed in the middle of a transfer (its reduces under way): named on
+        # every rank, within seconds (the waits ping the engine between 1 s slices), not the timeout
+        assert "dead_mid" in r, r.keys()
+        name, where, text, seconds = r["dead_mid"]
+        assert name == "EngineDeadError" and where == rank and "engine" in text, r["dead_mid"]
+        assert seconds < 30, r["dead_mid"]
+        print(f"rank {rank}: the engine killed mid-transfer named in {seconds:.2f} s")
+        # ... and the next sync, the engine dead between syncs
         name, where, text = r["dead"]
         assert name == "EngineDeadError" and where == rank and "does not answer" in text
 

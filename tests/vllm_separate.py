@@ -75,14 +75,31 @@ def case_separate(rank: int, world: int, *, ports: dict[str, int], engine_pid: i
         out[key] = r
         if key != keys[-1]:
             remote.close()
-    # The engine process dies (killed) while the link is open: every rank's next sync names it.
+    # The engine process dies (SIGKILL) in the middle of a transfer: rank 0 kills it just before it
+    # packs the second layer group, with every rank inside the pass's per-group reduces. Every rank
+    # names it, within a bounded time; the next sync (the engine dead between syncs) names it too.
     assert remote is not None
+    from streamload.sync.source import HubSource
+
+    real = HubSource._materialise
+
+    def killing(self: HubSource, g: Any) -> Any:
+        if g.index == 1:
+            os.kill(engine_pid, signal.SIGKILL)
+            while psutil.pid_exists(engine_pid) and psutil.Process(engine_pid).status() != psutil.STATUS_ZOMBIE:
+                time.sleep(0.05)
+        return real(self, g)
+
     dist.barrier()
     if rank == 0:
-        os.kill(engine_pid, signal.SIGKILL)
-        while psutil.pid_exists(engine_pid) and psutil.Process(engine_pid).status() != psutil.STATUS_ZOMBIE:
-            time.sleep(0.05)
-    dist.barrier()
+        HubSource._materialise = killing  # type: ignore[method-assign]
+    t0 = time.perf_counter()
+    try:
+        streamload.sync_weights(cases._MODELS[keys[-1]], remote, timeout=60)
+    except streamload.EngineDeadError as exc:
+        out["dead_mid"] = (type(exc).__name__, exc.rank, str(exc), time.perf_counter() - t0)
+    finally:
+        HubSource._materialise = real  # type: ignore[method-assign]
     try:
         streamload.sync_weights(cases._MODELS[keys[-1]], remote)
     except streamload.EngineDeadError as exc:

@@ -73,6 +73,21 @@ def layer_groups(names: Sequence[str]) -> list[list[str]]:
     return groups
 
 
+def pre_last(entries: Sequence[tuple[str, str, tuple[int, ...]]]) -> list[tuple[str, str, tuple[int, ...]]]:
+    """``entries`` with the names before the first layer (the "pre" group: embeddings) moved to the
+    end, where ``layer_groups`` joins them to the "post" group (final norm, head): the same
+    partition rule, another pass order.
+
+    Example:
+        >>> [e[0] for e in pre_last([("embed", "F32", (2,)), ("l.0.w", "F32", (2,)), ("norm", "F32", (2,))])]
+        ['l.0.w', 'norm', 'embed']
+    """
+    first = next((i for i, e in enumerate(entries) if _stack_key(e[0]) is not None), len(entries))
+    if first == len(entries):
+        return list(entries)
+    return [*entries[first:], *entries[:first]]
+
+
 @dataclass(frozen=True)
 class Slot:
     """One hub tensor's place in its group buffer.
@@ -99,6 +114,19 @@ class Slot:
     def view(self, buf: torch.Tensor) -> torch.Tensor:
         """This tensor as a view of the group buffer ``buf`` (uint8)."""
         return buf[self.offset : self.offset + self.nbytes].view(TORCH_DTYPES[self.dtype]).view(self.shape)
+
+    def over(self, buf: torch.Tensor) -> torch.Tensor:
+        """This tensor over ``buf``'s memory (``buf``: uint8, at the start of its storage) as a tensor
+        of its own, not a view: no ``_base`` keeps the buffer alive, so ``set_`` can later move it
+        to memory of its own and let the buffer go (``source.py``)."""
+        dtype = TORCH_DTYPES[self.dtype]
+        item = ITEMSIZE[self.dtype]
+        assert buf.storage_offset() == 0 and self.offset % item == 0, (buf.storage_offset(), self.offset)
+        strides = [1] * len(self.shape)
+        for d in range(len(self.shape) - 2, -1, -1):
+            strides[d] = strides[d + 1] * self.shape[d + 1]
+        t = torch.empty(0, dtype=dtype, device=buf.device)
+        return t.set_(buf.untyped_storage(), self.offset // item, self.shape, tuple(strides))
 
 
 @dataclass(frozen=True)

@@ -13,11 +13,17 @@ every hub tensor, proven once to tile each hub tensor exactly (``save/tiling.py`
    byte is written by exactly one rank and is zero on all others, and integer addition of zeros
    is exact, so the sum is the bytes, bit for bit (NaN payloads and signed zeros included) - no
    float arithmetic ever touches a weight;
-3. the receivers yield the group's tensors as views of the buffer (no unpack copy); the next
-   group allocates a new buffer, so the engine may keep the views until it processed the layer.
+3. the receivers yield the group's tensors over the buffer's memory (no unpack copy). Before the
+   next group is made, any of them a consumer still holds (a loop variable: vLLM's name mapper keeps
+   the last stacked shard it passed on) is moved to memory of its own (``Tensor.set_``, the same
+   object and values) when that is at most half the group, so the buffer goes; a larger one keeps
+   its buffer (the engine may keep whatever it took: nothing is ever overwritten under it).
 
 Peak extra memory per rank: one group buffer (the largest layer, its experts included), never a
-fused full tensor and never a full model. vLLM's ``WeightSource`` shape (``metadata``,
+fused full tensor and never a full model. The pass order is the one whose planned peak is lower:
+the embeddings first (vLLM's order) or last, in the final group (``groups.pre_last``) - a tied
+embedding and its alias end their group with a tensor as large as the group, which a consumer's
+loop variable would pin while the next group is made. vLLM's ``WeightSource`` shape (``metadata``,
 ``__iter__``, ``iter_groups``, ``held_names``, ``groups``) is implemented without importing
 vLLM; ``vllm_weight_source`` wraps it into vLLM's own ABC where a backend checks the type.
 """
@@ -45,11 +51,9 @@ from ..transport.arrival import current, wait_work
 from ..transport.collectives import solo
 from ..transport.protocol import carries_cpu
 from .errors import SyncError
-from .groups import FLAG_BYTES, Group, Slot, plan_groups
+from .groups import FLAG_BYTES, Group, Slot, plan_groups, pre_last
 
 ALL = "all"
-# The last tensor of a group is yielded as a copy of its own when at most this large.
-DETACH_LAST_BYTES = 4 << 20
 
 
 @dataclass(frozen=True)
@@ -75,6 +79,8 @@ class SourceStats:
         wire_seconds: time spent in the collectives.
         held_groups: the most group buffers alive at once in the last pass (on the CPU: the one being
             made and any an earlier group's tensors still held - the consumer's, the engine's).
+        moved_bytes: bytes of earlier groups' tensors still held when the next group was made, moved
+            to memory of their own so that their group's buffer could go.
     """
 
     passes: int = 0
@@ -85,6 +91,7 @@ class SourceStats:
     pack_seconds: float = 0.0
     wire_seconds: float = 0.0
     held_groups: int = 0
+    moved_bytes: int = 0
     per_pass: list[int] = field(default_factory=list)
 
 
@@ -169,9 +176,22 @@ class HubSource:
                 f"aliases must be names the trainer does not send, each once: {clash}", tensor=clash[0]
             )
         entries = [(name, h.dtype, h.shape) for name, h in self.layout.tensors.items()]
+        self._groups = min(
+            (self._plan(entries), self._plan(pre_last(entries))), key=planned_peak
+        )  # the first (vLLM's order) on a tie
+        by_name: dict[str, list[Piece]] = {}
+        for p in self.plan.pieces:
+            by_name.setdefault(p.key, []).append(p)
+        self._pieces = [[(s, p) for s in g.slots for p in by_name.get(s.name, ())] for g in self._groups]
+        self.stats = SourceStats()
+        self._pool = _BufferPool(self.device)
+
+    def _plan(self, entries: list[tuple[str, str, tuple[int, ...]]]) -> list[Group]:
+        """The groups of ``entries`` in that order, aliases beside their tensors, each group's
+        smallest tensor last (what a consumer is left holding when it asks for the next group)."""
         # An alias is the same slot again under the engine's other name, in its tensor's group:
         # no bytes packed, sent or held twice (a tied embedding is the largest tensor of many models).
-        self._groups = [
+        return [
             Group(
                 g.index,
                 _smallest_last(
@@ -185,12 +205,6 @@ class HubSource:
             )
             for g in plan_groups(entries)
         ]
-        by_name: dict[str, list[Piece]] = {}
-        for p in self.plan.pieces:
-            by_name.setdefault(p.key, []).append(p)
-        self._pieces = [[(s, p) for s in g.slots for p in by_name.get(s.name, ())] for g in self._groups]
-        self.stats = SourceStats()
-        self._pool = _BufferPool(self.device)
 
     # -- vLLM's WeightSource shape -------------------------------------------------------------
 
@@ -199,7 +213,7 @@ class HubSource:
 
         Example:
             >>> HubSource(model).metadata()[0]
-            ParamMeta(name='model.embed_tokens.weight', dtype=torch.float32, shape=(256, 128))
+            ParamMeta(name='model.layers.0.self_attn.q_proj.weight', dtype=torch.float32, shape=(128, 128))
         """
         from ..io.copy_ops import TORCH_DTYPES
 
@@ -219,7 +233,7 @@ class HubSource:
         On ranks that do not receive (``receivers`` = another rank) the tensors are None.
 
         No reference to a group's tensors is left here when the next group is materialised
-        (only the consumer's own, to the last tensor it took: ``iter_groups``).
+        (only the consumer's own, to the last tensor it took, moved off the buffer: ``iter_groups``).
         """
         for names, tensors in self.iter_groups():
             pairs = list(zip(names, tensors, strict=True))[::-1]
@@ -248,7 +262,15 @@ class HubSource:
         self.failed = None
         self.peer_failed = None
         stop_early = self.transfer is None and self.receivers == ALL
+        given: list[weakref.ref[torch.Tensor]] = []  # the previous group's tensors
+        given_at, given_bytes = 0, 0
         for g in self._groups:
+            self.stats.moved_bytes += _let_go(given, given_at, given_bytes)
+            if given_at and not any((t := r()) is not None and _over(t, given_at) for r in given):
+                # Nothing this pass gave out holds the previous buffer: a collective's worker thread
+                # may still, for a moment after the wait returned (gloo) - not a hold to pay for.
+                self._pool.settle(given_at)
+            given = []
             buf = self._materialise(g)
             if self.failed is not None or self.peer_failed is not None:
                 if stop_early or g is self._groups[-1]:
@@ -257,13 +279,9 @@ class HubSource:
             if buf is None:
                 yield g.names, [None] * len(g.slots)
             else:
-                tensors: list[torch.Tensor | None] = [s.view(buf) for s in g.slots]
-                last = g.slots[-1]
-                if len(g.slots) > 1 and last.nbytes <= DETACH_LAST_BYTES:
-                    # A consumer's loop still holds the last tensor it took while it asks for
-                    # the next one: a copy of its own (a norm, small) keeps that hold off the
-                    # group buffer, which then goes before the next group is made (peak: one group).
-                    tensors[-1] = g.slots[-1].view(buf).clone()
+                tensors: list[torch.Tensor | None] = [s.over(buf) for s in g.slots]
+                given = [weakref.ref(t) for t in tensors if t is not None]
+                given_at, given_bytes = buf.untyped_storage().data_ptr(), g.nbytes
                 yield g.names, tensors
                 del tensors
             del buf
@@ -383,6 +401,20 @@ class _BufferPool:
             self.arrays.append(arr)
         return torch.from_numpy(arr[:nbytes])
 
+    def settle(self, at: int, limit: float = 0.05) -> None:
+        """Waits (at most ``limit`` seconds) until no tensor holds the pass's array at ``at``."""
+        end = time.monotonic() + limit
+        for r in self.made:
+            a = r()
+            if a is None or a.ctypes.data != at:
+                del a
+                continue
+            pooled = any(a is b for b in self.arrays)
+            # References here: ``a``, getrefcount's argument, and the pool's list if pooled.
+            while sys.getrefcount(a) > 2 + pooled and time.monotonic() < end:
+                time.sleep(0.001)
+            return
+
     def _held(self) -> int:
         """How many of the pass's arrays a tensor still holds."""
         pooled = {id(a) for a in self.arrays}
@@ -402,9 +434,46 @@ class _BufferPool:
         return most
 
 
+def _let_go(given: list[weakref.ref[torch.Tensor]], at: int, nbytes: int) -> int:
+    """Moves the tensors of a group that a consumer still holds (``given``, over the buffer whose
+    storage starts at ``at``, of ``nbytes``) to memory of their own, when they are at most half the
+    group: the same tensor objects with the same values, and the buffer free. Returns the bytes moved."""
+    held = [t for r in given if (t := r()) is not None and _over(t, at)]
+    moved = sum(t.nbytes for t in held)
+    if not held or moved > nbytes // 2:
+        return 0
+    with torch.no_grad():
+        for t in held:
+            copy = t.clone()
+            t.set_(copy.untyped_storage(), 0, copy.shape, copy.stride())
+    return moved
+
+
+def _over(t: torch.Tensor, at: int) -> bool:
+    """Whether ``t`` lies in the buffer whose storage starts at ``at``."""
+    return t.untyped_storage().data_ptr() == at
+
+
+def pinned_bytes(g: Group) -> int:
+    """What a consumer still holding ``g``'s last tensor keeps alive while the next group is made:
+    a copy of that tensor (``_let_go``), or the group's buffer when the tensor is over half of it."""
+    last = g.slots[-1].nbytes
+    return last if last <= g.nbytes // 2 else g.nbytes
+
+
+def planned_peak(groups: Sequence[Group]) -> int:
+    """A pass's peak extra memory: each group's buffer plus what the previous one leaves pinned."""
+    peak, pinned = 0, 0
+    for g in groups:
+        peak = max(peak, g.nbytes + pinned)
+        pinned = pinned_bytes(g)
+    return peak
+
+
 def _smallest_last(slots: list[Slot]) -> tuple[Slot, ...]:
-    """``slots`` in order, their smallest moved last (``iter_groups`` yields the last one as a copy
-    of its own); an alias stays right after its tensor."""
+    """``slots`` in order, their smallest moved last (a consumer's loop holds the last tensor it
+    took while it asks for the next group: ``_let_go`` moves a small one off the buffer); an
+    alias stays right after its tensor."""
     if len(slots) < 2:
         return tuple(slots)
     small = min(range(len(slots)), key=lambda i: (slots[i].nbytes, -i))
