@@ -102,7 +102,9 @@ def test_trainer_rank_failing_to_pack_a_group_is_named_on_every_rank(faults: dic
         for rank, r in enumerate(faults[kind]):
             p = r["pack"]
             assert p["raised"] == "SyncError" and p["rank"] == 1, (kind, rank, p)
-            assert (p["tensor"] or "").startswith("model.layers.1.") and "packing layer group" in p["message"], p
+            assert (p["tensor"] or "").startswith("model.layers.1.") and "packing layer group" in p[
+                "message"
+            ], p
             assert p["seconds"] < 10, (kind, rank, p)
             assert r["after"]["raised"] is None, (kind, rank, r["after"])  # the next sync is whole
     assert faults["remote"][0]["equal"] is True  # the engine, synced again, holds the trainer's weights

@@ -86,7 +86,9 @@ def case_separate(rank: int, world: int, *, ports: dict[str, int], engine_pid: i
     def killing(self: HubSource, g: Any) -> Any:
         if g.index == 1:
             os.kill(engine_pid, signal.SIGKILL)
-            while psutil.pid_exists(engine_pid) and psutil.Process(engine_pid).status() != psutil.STATUS_ZOMBIE:
+            while (
+                psutil.pid_exists(engine_pid) and psutil.Process(engine_pid).status() != psutil.STATUS_ZOMBIE
+            ):
                 time.sleep(0.05)
         return real(self, g)
 
