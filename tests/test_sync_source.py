@@ -149,7 +149,7 @@ def test_held_tensors_move_off_their_buffer_and_tied_embeddings_go_last(tmp_path
             kept.append((t, t.clone()))  # and some small ones kept for good
     assert src.stats.held_groups == 1 and src.stats.moved_bytes > 0, src.stats
     assert all(torch.equal(t, want) for t, want in kept)
-    assert planned_peak(src.planned_groups) <= planned_peak(first._plan(_entries(first)))
+    assert planned_peak(src.planned_groups) <= planned_peak(first._plan(_entries(first), first.aliases))
 
 
 def test_a_large_hold_keeps_its_buffer_untouched(tmp_path) -> None:
@@ -174,3 +174,68 @@ def test_a_large_hold_keeps_its_buffer_untouched(tmp_path) -> None:
 def _entries(src):  # type: ignore[no-untyped-def]
     """The hub tensors in the layout's own order (embeddings first)."""
     return [(n, h.dtype, h.shape) for n, h in src.layout.tensors.items()]
+
+
+def test_torch_use_counts_mean_what_the_move_relies_on() -> None:
+    """_let_go reads two private torch counters (``Tensor._use_count``, ``torch._C._storage_Use_Count``)
+    to move only tensors nothing else sees. If torch changes what they count, this fails loudly."""
+    buf = torch.zeros(64, dtype=torch.uint8)
+    st = buf.untyped_storage()
+    a = torch.empty(0).set_(st, 0, (4,), (1,))
+    b = torch.empty(0).set_(st, 4, (4,), (1,))
+    del buf, st
+    uses = lambda t: torch._C._storage_Use_Count(t.untyped_storage()._cdata)  # noqa: E731
+    assert a._use_count() == 1 and uses(a) == 3  # a, b and the temporary storage object
+    view = a[1:3]
+    assert a._use_count() == 2 and uses(a) == 4
+    del view
+    capsule = torch.utils.dlpack.to_dlpack(a)
+    assert a._use_count() == 2
+    del capsule
+    assert a._use_count() == 1 and b._use_count() == 1
+
+
+def test_a_hold_nothing_may_lose_is_never_moved() -> None:
+    """Held tensors are moved off their buffer only when nothing else sees them: not with a view or
+    a DLPack export of one (they would keep reading the old memory), not aliases (they would stop
+    sharing), and an inference tensor outside inference mode just keeps its buffer (no raise)."""
+    import weakref
+
+    from streamload.sync.source import _let_go
+
+    def group() -> tuple[torch.Tensor, list[torch.Tensor], int]:
+        buf = torch.arange(256, dtype=torch.uint8)
+        st = buf.untyped_storage()
+        ts = [torch.empty(0, dtype=torch.uint8).set_(st, o, (16,), (1,)) for o in (0, 16, 128)]
+        return buf, ts, st.data_ptr()
+
+    buf, ts, at = group()
+    last = ts[-1]
+    del buf, ts
+    assert _let_go([weakref.ref(last)], at, 256) == 16  # moved: same object, same values, own memory
+    assert last.untyped_storage().data_ptr() != at and last.tolist() == list(range(128, 144))
+
+    buf, ts, at = group()
+    last, view = ts[-1], ts[-1][2:4]
+    del buf, ts
+    assert _let_go([weakref.ref(last)], at, 256) == 0 and last.untyped_storage().data_ptr() == at
+    del view
+
+    buf, ts, at = group()
+    last = ts[-1]
+    capsule = torch.utils.dlpack.to_dlpack(last)
+    del buf, ts
+    assert _let_go([weakref.ref(last)], at, 256) == 0 and last.untyped_storage().data_ptr() == at
+    del capsule
+
+    buf, ts, at = group()
+    alias = torch.empty(0, dtype=torch.uint8).set_(buf.untyped_storage(), 128, (16,), (1,))
+    last = ts[-1]
+    del buf, ts
+    assert _let_go([weakref.ref(last), weakref.ref(alias)], at, 256) == 0
+
+    with torch.inference_mode():
+        buf, ts, at = group()
+    last = ts[-1]
+    del buf, ts
+    assert _let_go([weakref.ref(last)], at, 256) == 0 and last.tolist() == list(range(128, 144))

@@ -176,9 +176,11 @@ class HubSource:
                 f"aliases must be names the trainer does not send, each once: {clash}", tensor=clash[0]
             )
         entries = [(name, h.dtype, h.shape) for name, h in self.layout.tensors.items()]
-        self._groups = min(
-            (self._plan(entries), self._plan(pre_last(entries))), key=planned_peak
-        )  # the first (vLLM's order) on a tie
+        # The pass order: the layout's (vLLM's, embeddings first) or the embeddings last, whichever
+        # plans the lower peak - decided from the hub tensors alone (not the aliases, which the
+        # ranks may not share), so every rank takes the same order.
+        order = min((entries, pre_last(entries)), key=lambda e: planned_peak(self._plan(e, {})))
+        self._groups = self._plan(order, self.aliases)
         by_name: dict[str, list[Piece]] = {}
         for p in self.plan.pieces:
             by_name.setdefault(p.key, []).append(p)
@@ -186,7 +188,10 @@ class HubSource:
         self.stats = SourceStats()
         self._pool = _BufferPool(self.device)
 
-    def _plan(self, entries: list[tuple[str, str, tuple[int, ...]]]) -> list[Group]:
+    @staticmethod
+    def _plan(
+        entries: list[tuple[str, str, tuple[int, ...]]], aliases: Mapping[str, list[str]]
+    ) -> list[Group]:
         """The groups of ``entries`` in that order, aliases beside their tensors, each group's
         smallest tensor last (what a consumer is left holding when it asks for the next group)."""
         # An alias is the same slot again under the engine's other name, in its tensor's group:
@@ -195,11 +200,7 @@ class HubSource:
             Group(
                 g.index,
                 _smallest_last(
-                    [
-                        x
-                        for s in g.slots
-                        for x in (s, *(replace(s, name=a) for a in self.aliases.get(s.name, ())))
-                    ]
+                    [x for s in g.slots for x in (s, *(replace(s, name=a) for a in aliases.get(s.name, ())))]
                 ),
                 g.nbytes,
             )
@@ -265,14 +266,12 @@ class HubSource:
         given: list[weakref.ref[torch.Tensor]] = []  # the previous group's tensors
         given_at, given_bytes = 0, 0
         for g in self._groups:
-            self.stats.moved_bytes += _let_go(given, given_at, given_bytes)
-            if given_at and not any((t := r()) is not None and _over(t, given_at) for r in given):
-                # Nothing this pass gave out holds the previous buffer: a collective's worker thread
-                # may still, for a moment after the wait returned (gloo) - not a hold to pay for.
-                self._pool.settle(given_at)
-            given = []
+            if given_at:
+                self.stats.moved_bytes += _let_go(given, given_at, given_bytes)
+            given, given_at = [], 0
             buf = self._materialise(g)
             if self.failed is not None or self.peer_failed is not None:
+                del buf
                 if stop_early or g is self._groups[-1]:
                     break
                 continue
@@ -345,6 +344,7 @@ class HubSource:
             opts.rootRank = root
             opts.reduceOp = dist.ReduceOp(dist.ReduceOp.SUM)
             wait_work(pg.reduce([words], opts), self.device, deadline=_deadline(), watch=self.watch)
+            _released(words)
             self.stats.collectives += 1
         elif not solo(self.group):
             if self.receivers == ALL:
@@ -354,6 +354,8 @@ class HubSource:
                 dst = dist.get_global_rank(self.group, int(self.receivers))
                 work = dist.reduce(words, dst=dst, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
             wait_work(work, self.device, deadline=_deadline(), watch=self.watch)
+            del work
+            _released(words)
             self.stats.collectives += 1
         self.stats.wire_seconds += time.perf_counter() - t1
         if not self.receives:
@@ -401,20 +403,6 @@ class _BufferPool:
             self.arrays.append(arr)
         return torch.from_numpy(arr[:nbytes])
 
-    def settle(self, at: int, limit: float = 0.05) -> None:
-        """Waits (at most ``limit`` seconds) until no tensor holds the pass's array at ``at``."""
-        end = time.monotonic() + limit
-        for r in self.made:
-            a = r()
-            if a is None or a.ctypes.data != at:
-                del a
-                continue
-            pooled = any(a is b for b in self.arrays)
-            # References here: ``a``, getrefcount's argument, and the pool's list if pooled.
-            while sys.getrefcount(a) > 2 + pooled and time.monotonic() < end:
-                time.sleep(0.001)
-            return
-
     def _held(self) -> int:
         """How many of the pass's arrays a tensor still holds."""
         pooled = {id(a) for a in self.arrays}
@@ -437,21 +425,52 @@ class _BufferPool:
 def _let_go(given: list[weakref.ref[torch.Tensor]], at: int, nbytes: int) -> int:
     """Moves the tensors of a group that a consumer still holds (``given``, over the buffer whose
     storage starts at ``at``, of ``nbytes``) to memory of their own, when they are at most half the
-    group: the same tensor objects with the same values, and the buffer free. Returns the bytes moved."""
-    held = [t for r in given if (t := r()) is not None and _over(t, at)]
+    group: the same tensor objects with the same values, and the buffer free. Returns the bytes moved.
+
+    Only tensors nothing else can see are moved: each tensor's own use count is 1 (no view of it,
+    no DLPack export, no autograd save, no C++ holder: those would keep reading the old memory) and
+    no other tensor shares the buffer's storage; otherwise the buffer stays, and the pool never
+    reuses a buffer anything holds. Never raises (a tensor that cannot be moved, e.g. an inference
+    tensor outside inference mode, keeps its buffer)."""
+    held = _held_over(given, at)
     moved = sum(t.nbytes for t in held)
-    if not held or moved > nbytes // 2:
+    if not held or moved > nbytes // 2 or len({t.data_ptr() for t in held}) < len(held):
+        return 0  # nothing held, too much to copy, or aliases (moved apart they would stop sharing)
+    try:
+        if any(t._use_count() != 1 or t.requires_grad for t in held):  # type: ignore[attr-defined]
+            return 0
+        # Each held tensor and this temporary storage object: no one else on the buffer's storage.
+        if torch._C._storage_Use_Count(held[0].untyped_storage()._cdata) != len(held) + 1:
+            return 0
+        with torch.no_grad():
+            for t in held:
+                copy = t.clone()
+                t.set_(copy.untyped_storage(), 0, copy.shape, copy.stride())
+    except Exception:  # noqa: BLE001 - the buffer is kept instead; nothing was lost
         return 0
-    with torch.no_grad():
-        for t in held:
-            copy = t.clone()
-            t.set_(copy.untyped_storage(), 0, copy.shape, copy.stride())
     return moved
 
 
-def _over(t: torch.Tensor, at: int) -> bool:
-    """Whether ``t`` lies in the buffer whose storage starts at ``at``."""
-    return t.untyped_storage().data_ptr() == at
+def _released(words: torch.Tensor, limit: float = 0.05) -> None:
+    """Waits (at most ``limit`` seconds) until a finished collective's worker thread has let go of
+    ``words`` (gloo's holds it for a moment after the wait returned), so that the group's buffer is
+    not taken for one still held when the next group is made. Only this rank's own reference left:
+    its use count is 1 (a view, another holder, would count too: none is made of ``words``)."""
+    if words.device.type != "cpu":
+        return
+    end = time.monotonic() + limit
+    while words._use_count() > 1 and time.monotonic() < end:  # type: ignore[attr-defined]
+        time.sleep(0.0005)
+
+
+def _held_over(given: list[weakref.ref[torch.Tensor]], at: int) -> list[torch.Tensor]:
+    """The tensors of ``given`` still alive and still over the buffer whose storage starts at ``at``."""
+    out = []
+    for r in given:
+        t = r()
+        if t is not None and t.untyped_storage().data_ptr() == at:
+            out.append(t)
+    return out
 
 
 def pinned_bytes(g: Group) -> int:
