@@ -88,16 +88,27 @@ class RankGroup:
             q.put((fn.__module__, fn.__name__, kwargs))
         out: dict[int, Any] = {}
         errors: dict[int, str] = {}
-        for _ in range(self.world):
+        end = time.monotonic() + timeout
+        while len(out) + len(errors) < self.world:
             try:
-                rank, ok, value = self.results.get(timeout=timeout)
+                rank, ok, value = self.results.get(timeout=min(1.0, max(0.01, end - time.monotonic())))
             except queue.Empty:
                 hung = sorted(set(range(self.world)) - set(out) - set(errors))
-                self._dump_stacks(hung)
+                dead = [r for r in hung if not self.procs[r].is_alive()]
+                if not dead and time.monotonic() < end:
+                    continue
+                # A rank that died (its peers may wait for it in a collective) or the time is up.
+                why = (
+                    f"rank(s) {dead} died (exit codes {[self.procs[r].exitcode for r in dead]})"
+                    if dead
+                    else ""
+                )
+                self._dump_stacks([r for r in hung if r not in dead])
                 self.close(kill=True)
                 raise CaseError(
-                    f"{fn.__name__}: ranks {hung} did not finish within {timeout}s (hang); "
-                    "their stacks are in the captured stderr"
+                    f"{fn.__name__}: ranks {hung} did not finish "
+                    + (f"- {why}" if dead else f"within {timeout}s (hang)")
+                    + "; the live ones' stacks are in the captured stderr"
                 ) from None
             (out if ok else errors)[rank] = value
         if errors:
@@ -109,6 +120,7 @@ class RankGroup:
 
     def _dump_stacks(self, ranks: list[int]) -> None:
         """Asks each hung rank for its threads' stacks (faulthandler, on stderr) before the kill."""
+        asked = False
         for r in ranks:
             pid = self.procs[r].pid
             if self.procs[r].is_alive() and pid is not None:
@@ -116,7 +128,9 @@ class RankGroup:
                     f"--- rank {r} (pid {pid}) did not finish; its stacks: ---", file=sys.stderr, flush=True
                 )
                 os.kill(pid, signal.SIGUSR1)
-        time.sleep(2.0)
+                asked = True
+        if asked:
+            time.sleep(2.0)
 
     def close(self, kill: bool = False) -> None:
         if not kill:
