@@ -167,9 +167,9 @@ def case_groups_held(rank: int, world: int, *, ckpt: str, ws: int) -> dict[str, 
     src = HubSource(model, process_group=group)
     import numpy as np
 
-    from streamload.sync import source as source_mod
+    from streamload.sync import buffers as buffers_mod
 
-    real, real_zeros, keep = HubSource._materialise, np.zeros, source_mod._BufferPool.KEEP
+    real, real_zeros, keep = HubSource._materialise, np.zeros, buffers_mod._BufferPool.KEEP
     refs: list[Any] = []  # each group buffer's memory: a numpy array, alive while any view is
     alive: list[int] = []
 
@@ -190,18 +190,18 @@ def case_groups_held(rank: int, world: int, *, ckpt: str, ws: int) -> dict[str, 
 
     HubSource._materialise = materialise  # type: ignore[method-assign]
     # Every group in a buffer of its own (no reuse), whose life the weak references watch.
-    source_mod._BufferPool.KEEP = 0
-    source_mod.np.zeros = zeros  # type: ignore[assignment]
+    buffers_mod._BufferPool.KEEP = 0
+    buffers_mod.np.zeros = zeros  # type: ignore[assignment]
     try:
         last = None
         for _name, tensor in src:
             last = tensor  # noqa: F841 - held, as a consumer's loop variable is
     finally:
         HubSource._materialise = real  # type: ignore[method-assign]
-        source_mod.np.zeros = real_zeros  # type: ignore[assignment]
-        source_mod._BufferPool.KEEP = keep
+        buffers_mod.np.zeros = real_zeros  # type: ignore[assignment]
+        buffers_mod._BufferPool.KEEP = keep
     assert len(refs) == len(alive) == len(src.groups()), (len(refs), alive)
-    from streamload.sync.source import pinned_bytes
+    from streamload.sync.buffers import pinned_bytes
 
     # Only a previous group whose last tensor is over half of it is still held (by the consumer's
     # loop variable; a smaller one is moved off the buffer): the untied embeddings' group.

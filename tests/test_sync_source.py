@@ -98,7 +98,7 @@ def test_a_pass_holds_one_group_at_a_time(group: RankGroup, ckpts, mt: str) -> N
 def test_group_buffers_are_reused_once_nothing_holds_them() -> None:
     """A pass reuses a group buffer's memory for a later group only when no tensor of the earlier
     group is alive (zeroed again); a buffer someone still holds is never handed out."""
-    from streamload.sync.source import _BufferPool
+    from streamload.sync.buffers import _BufferPool
 
     pool = _BufferPool(torch.device("cpu"))
     a = pool.take(1000, 4096)
@@ -132,7 +132,8 @@ def test_held_tensors_move_off_their_buffer_and_tied_embeddings_go_last(tmp_path
     one buffer is alive at a time. A tied embedding with its alias (as large as their group: a hold on
     it would pin the group) is sent last, in the final group: the order of the lower planned peak,
     still vLLM's partition of the names in that order."""
-    from streamload.sync.source import HubSource, planned_peak
+    from streamload.sync.buffers import planned_peak
+    from streamload.sync.source import HubSource
 
     model = _plain_model(tmp_path, "qwen2", tie=True)
     src = HubSource(model, aliases={"model.embed_tokens.weight": ["lm_head.weight"]})
@@ -177,7 +178,7 @@ def _entries(src):  # type: ignore[no-untyped-def]
 
 
 def test_torch_use_counts_mean_what_the_move_relies_on() -> None:
-    """_let_go reads two private torch counters (``Tensor._use_count``, ``torch._C._storage_Use_Count``)
+    """let_go reads two private torch counters (``Tensor._use_count``, ``torch._C._storage_Use_Count``)
     to move only tensors nothing else sees. If torch changes what they count, this fails loudly."""
     buf = torch.zeros(64, dtype=torch.uint8)
     st = buf.untyped_storage()
@@ -201,7 +202,7 @@ def test_a_hold_nothing_may_lose_is_never_moved() -> None:
     sharing), and an inference tensor outside inference mode just keeps its buffer (no raise)."""
     import weakref
 
-    from streamload.sync.source import _let_go
+    from streamload.sync.buffers import let_go
 
     def group() -> tuple[torch.Tensor, list[torch.Tensor], int]:
         buf = torch.arange(256, dtype=torch.uint8)
@@ -212,30 +213,30 @@ def test_a_hold_nothing_may_lose_is_never_moved() -> None:
     buf, ts, at = group()
     last = ts[-1]
     del buf, ts
-    assert _let_go([weakref.ref(last)], at, 256) == 16  # moved: same object, same values, own memory
+    assert let_go([weakref.ref(last)], at, 256) == 16  # moved: same object, same values, own memory
     assert last.untyped_storage().data_ptr() != at and last.tolist() == list(range(128, 144))
 
     buf, ts, at = group()
     last, view = ts[-1], ts[-1][2:4]
     del buf, ts
-    assert _let_go([weakref.ref(last)], at, 256) == 0 and last.untyped_storage().data_ptr() == at
+    assert let_go([weakref.ref(last)], at, 256) == 0 and last.untyped_storage().data_ptr() == at
     del view
 
     buf, ts, at = group()
     last = ts[-1]
     capsule = torch.utils.dlpack.to_dlpack(last)
     del buf, ts
-    assert _let_go([weakref.ref(last)], at, 256) == 0 and last.untyped_storage().data_ptr() == at
+    assert let_go([weakref.ref(last)], at, 256) == 0 and last.untyped_storage().data_ptr() == at
     del capsule
 
     buf, ts, at = group()
     alias = torch.empty(0, dtype=torch.uint8).set_(buf.untyped_storage(), 128, (16,), (1,))
     last = ts[-1]
     del buf, ts
-    assert _let_go([weakref.ref(last), weakref.ref(alias)], at, 256) == 0
+    assert let_go([weakref.ref(last), weakref.ref(alias)], at, 256) == 0
 
     with torch.inference_mode():
         buf, ts, at = group()
     last = ts[-1]
     del buf, ts
-    assert _let_go([weakref.ref(last)], at, 256) == 0 and last.tolist() == list(range(128, 144))
+    assert let_go([weakref.ref(last)], at, 256) == 0 and last.tolist() == list(range(128, 144))

@@ -33,6 +33,7 @@ from __future__ import annotations
 import pickle
 import threading
 import time
+import weakref
 from collections.abc import Callable, Iterator
 from datetime import timedelta
 from typing import Any
@@ -40,12 +41,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..io.copy_ops import TORCH_DTYPES
 from ..model.placement import resolve_device, resolve_group
 from ..transport.arrival import meeting
 from ..transport.protocol import carries_cpu, gather_or_raise
+from .buffers import let_go, wait_released
 from .errors import EngineDeadError, SyncError
-from .groups import FLAG_BYTES, Group
+from .groups import FLAG_BYTES, Group, Slot
 from .vllm_engine import refresh_experts, worker_info
 
 _PREFIX = "streamload/sync/"
@@ -201,7 +202,10 @@ def worker_receive(
         opts = dist.ReduceOptions()
         opts.rootRank = pg.rank()
         opts.reduceOp = dist.ReduceOp(dist.ReduceOp.SUM)
-        pg.reduce([buf.view(torch.int32)], opts).wait()
+        words = buf.view(torch.int32)
+        pg.reduce([words], opts).wait()
+        wait_released(words)
+        del words
         state["next"] = i + 1
         count, ids = (int(x) for x in buf[plan[i][0] :].view(torch.int32)[:2].tolist())
         if count and state["aborted"] is None:
@@ -212,16 +216,27 @@ def worker_receive(
         return buf
 
     def groups() -> Iterator[tuple[str, torch.Tensor]]:
+        # As HubSource.iter_groups: tensors over the buffer, none of it held here when the next group
+        # is received, and what the reload still holds of a group moved off its buffer (let_go):
+        # one group buffer alive at a time in the engine's process too.
+        given: list[weakref.ref[torch.Tensor]] = []
+        at, nbytes = 0, 0
         while state["next"] < len(plan) and state["aborted"] is None:
-            slots = plan[state["next"]][1]
+            if at:
+                let_go(given, at, nbytes)
+            given, at = [], 0
+            nbytes, slots = plan[state["next"]][0], plan[state["next"]][1]
             buf = receive()
             if state["aborted"] is not None:
                 return
-            for name, dt, shape, off in slots:
-                n = TORCH_DTYPES[dt].itemsize
-                for s in shape:
-                    n *= s
-                yield name, buf[off : off + n].view(TORCH_DTYPES[dt]).view(shape)
+            pairs = [(name, Slot(name, dt, tuple(shape), off).over(buf)) for name, dt, shape, off in slots][
+                ::-1
+            ]
+            given = [weakref.ref(t) for _, t in pairs]
+            at = buf.untyped_storage().data_ptr()
+            del buf
+            while pairs:
+                yield pairs.pop()
 
     t0 = time.perf_counter()
     error = None

@@ -30,14 +30,12 @@ vLLM; ``vllm_weight_source`` wraps it into vLLM's own ABC where a backend checks
 
 from __future__ import annotations
 
-import sys
 import time
 import weakref
 from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-import numpy as np
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -50,6 +48,7 @@ from ..save.tiling import check_tiling
 from ..transport.arrival import current, wait_work
 from ..transport.collectives import solo
 from ..transport.protocol import carries_cpu
+from .buffers import _BufferPool, let_go, planned_peak, wait_released
 from .errors import SyncError
 from .groups import FLAG_BYTES, Group, Slot, plan_groups, pre_last
 
@@ -267,7 +266,7 @@ class HubSource:
         given_at, given_bytes = 0, 0
         for g in self._groups:
             if given_at:
-                self.stats.moved_bytes += _let_go(given, given_at, given_bytes)
+                self.stats.moved_bytes += let_go(given, given_at, given_bytes)
             given, given_at = [], 0
             buf = self._materialise(g)
             if self.failed is not None or self.peer_failed is not None:
@@ -344,7 +343,7 @@ class HubSource:
             opts.rootRank = root
             opts.reduceOp = dist.ReduceOp(dist.ReduceOp.SUM)
             wait_work(pg.reduce([words], opts), self.device, deadline=_deadline(), watch=self.watch)
-            _released(words)
+            wait_released(words)
             self.stats.collectives += 1
         elif not solo(self.group):
             if self.receivers == ALL:
@@ -355,7 +354,7 @@ class HubSource:
                 work = dist.reduce(words, dst=dst, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
             wait_work(work, self.device, deadline=_deadline(), watch=self.watch)
             del work
-            _released(words)
+            wait_released(words)
             self.stats.collectives += 1
         self.stats.wire_seconds += time.perf_counter() - t1
         if not self.receives:
@@ -366,132 +365,9 @@ class HubSource:
         return buf[: g.nbytes]
 
 
-class _BufferPool:
-    """Zeroed group buffers for one pass, their memory reused once nothing holds it.
-
-    On the CPU a buffer is a numpy array (``calloc``: fresh pages are zero already and only those
-    a group touches become resident) that the group's tensor views through ``torch.from_numpy``;
-    the array's reference count (``sys.getrefcount``) tells whether any tensor of that group is
-    still alive - the consumer's, or the engine's that kept a view. A free one is zeroed and reused
-    for the next group (no page faults, no new mapping per group); one still held is left alone
-    and another made. Cleared at the end of each pass. On a device: a fresh ``torch.zeros`` each
-    time (its caching allocator already reuses).
-    """
-
-    KEEP = 2
-
-    def __init__(self, device: torch.device) -> None:
-        self.device = device
-        self.arrays: list[np.ndarray] = []
-        self.made: list[weakref.ref[np.ndarray]] = []  # every array of the pass
-        self.most_held = 0  # the most group buffers held at once (by anyone) in the pass
-
-    def take(self, nbytes: int, size: int) -> torch.Tensor:
-        """A zeroed uint8 tensor of ``nbytes`` (arrays of ``size`` bytes, the largest group's)."""
-        if self.device.type != "cpu":
-            return torch.zeros(nbytes, dtype=torch.uint8, device=self.device)
-        self.most_held = max(self.most_held, self._held() + 1)
-        for i in range(len(self.arrays)):
-            # The list's reference and getrefcount's own argument: no tensor holds this array.
-            if self.arrays[i].nbytes >= nbytes and sys.getrefcount(self.arrays[i]) == 2:
-                buf = torch.from_numpy(self.arrays[i][:nbytes])
-                buf.zero_()
-                return buf
-        arr = np.zeros(max(nbytes, size), dtype=np.uint8)
-        self.made.append(weakref.ref(arr))
-        if len(self.arrays) < self.KEEP:
-            self.arrays.append(arr)
-        return torch.from_numpy(arr[:nbytes])
-
-    def _held(self) -> int:
-        """How many of the pass's arrays a tensor still holds."""
-        pooled = {id(a) for a in self.arrays}
-        n = 0
-        for r in self.made:
-            a = r()
-            # References here: ``a``, getrefcount's argument, and the pool's list if pooled.
-            if a is not None and sys.getrefcount(a) > 2 + (id(a) in pooled):
-                n += 1
-            del a
-        return n
-
-    def clear(self) -> int:
-        """Ends the pass; returns the most group buffers that were held at once in it."""
-        most, self.most_held = self.most_held, 0
-        self.arrays, self.made = [], []
-        return most
-
-
-def _let_go(given: list[weakref.ref[torch.Tensor]], at: int, nbytes: int) -> int:
-    """Moves the tensors of a group that a consumer still holds (``given``, over the buffer whose
-    storage starts at ``at``, of ``nbytes``) to memory of their own, when they are at most half the
-    group: the same tensor objects with the same values, and the buffer free. Returns the bytes moved.
-
-    Only tensors nothing else can see are moved: each tensor's own use count is 1 (no view of it,
-    no DLPack export, no autograd save, no C++ holder: those would keep reading the old memory) and
-    no other tensor shares the buffer's storage; otherwise the buffer stays, and the pool never
-    reuses a buffer anything holds. Never raises (a tensor that cannot be moved, e.g. an inference
-    tensor outside inference mode, keeps its buffer)."""
-    held = _held_over(given, at)
-    moved = sum(t.nbytes for t in held)
-    if not held or moved > nbytes // 2 or len({t.data_ptr() for t in held}) < len(held):
-        return 0  # nothing held, too much to copy, or aliases (moved apart they would stop sharing)
-    try:
-        if any(t._use_count() != 1 or t.requires_grad for t in held):  # type: ignore[attr-defined]
-            return 0
-        # Each held tensor and this temporary storage object: no one else on the buffer's storage.
-        if torch._C._storage_Use_Count(held[0].untyped_storage()._cdata) != len(held) + 1:
-            return 0
-        with torch.no_grad():
-            for t in held:
-                copy = t.clone()
-                t.set_(copy.untyped_storage(), 0, copy.shape, copy.stride())
-    except Exception:  # noqa: BLE001 - the buffer is kept instead; nothing was lost
-        return 0
-    return moved
-
-
-def _released(words: torch.Tensor, limit: float = 0.05) -> None:
-    """Waits (at most ``limit`` seconds) until a finished collective's worker thread has let go of
-    ``words`` (gloo's holds it for a moment after the wait returned), so that the group's buffer is
-    not taken for one still held when the next group is made. Only this rank's own reference left:
-    its use count is 1 (a view, another holder, would count too: none is made of ``words``)."""
-    if words.device.type != "cpu":
-        return
-    end = time.monotonic() + limit
-    while words._use_count() > 1 and time.monotonic() < end:  # type: ignore[attr-defined]
-        time.sleep(0.0005)
-
-
-def _held_over(given: list[weakref.ref[torch.Tensor]], at: int) -> list[torch.Tensor]:
-    """The tensors of ``given`` still alive and still over the buffer whose storage starts at ``at``."""
-    out = []
-    for r in given:
-        t = r()
-        if t is not None and t.untyped_storage().data_ptr() == at:
-            out.append(t)
-    return out
-
-
-def pinned_bytes(g: Group) -> int:
-    """What a consumer still holding ``g``'s last tensor keeps alive while the next group is made:
-    a copy of that tensor (``_let_go``), or the group's buffer when the tensor is over half of it."""
-    last = g.slots[-1].nbytes
-    return last if last <= g.nbytes // 2 else g.nbytes
-
-
-def planned_peak(groups: Sequence[Group]) -> int:
-    """A pass's peak extra memory: each group's buffer plus what the previous one leaves pinned."""
-    peak, pinned = 0, 0
-    for g in groups:
-        peak = max(peak, g.nbytes + pinned)
-        pinned = pinned_bytes(g)
-    return peak
-
-
 def _smallest_last(slots: list[Slot]) -> tuple[Slot, ...]:
     """``slots`` in order, their smallest moved last (a consumer's loop holds the last tensor it
-    took while it asks for the next group: ``_let_go`` moves a small one off the buffer); an
+    took while it asks for the next group: ``let_go`` moves a small one off the buffer); an
     alias stays right after its tensor."""
     if len(slots) < 2:
         return tuple(slots)
