@@ -169,7 +169,7 @@ def case_groups_held(rank: int, world: int, *, ckpt: str, ws: int) -> dict[str, 
 
     from streamload.sync import buffers as buffers_mod
 
-    real, real_zeros, keep = HubSource._materialise, np.zeros, buffers_mod._BufferPool.KEEP
+    real, real_zeros, keep = HubSource._materialise, np.zeros, buffers_mod.BufferPool.KEEP
     refs: list[Any] = []  # each group buffer's memory: a numpy array, alive while any view is
     alive: list[int] = []
 
@@ -190,7 +190,7 @@ def case_groups_held(rank: int, world: int, *, ckpt: str, ws: int) -> dict[str, 
 
     HubSource._materialise = materialise  # type: ignore[method-assign]
     # Every group in a buffer of its own (no reuse), whose life the weak references watch.
-    buffers_mod._BufferPool.KEEP = 0
+    buffers_mod.BufferPool.KEEP = 0
     buffers_mod.np.zeros = zeros  # type: ignore[assignment]
     try:
         last = None
@@ -199,7 +199,7 @@ def case_groups_held(rank: int, world: int, *, ckpt: str, ws: int) -> dict[str, 
     finally:
         HubSource._materialise = real  # type: ignore[method-assign]
         buffers_mod.np.zeros = real_zeros  # type: ignore[assignment]
-        buffers_mod._BufferPool.KEEP = keep
+        buffers_mod.BufferPool.KEEP = keep
     assert len(refs) == len(alive) == len(src.groups()), (len(refs), alive)
     from streamload.sync.buffers import pinned_bytes
 

@@ -98,9 +98,9 @@ def test_a_pass_holds_one_group_at_a_time(group: RankGroup, ckpts, mt: str) -> N
 def test_group_buffers_are_reused_once_nothing_holds_them() -> None:
     """A pass reuses a group buffer's memory for a later group only when no tensor of the earlier
     group is alive (zeroed again); a buffer someone still holds is never handed out."""
-    from streamload.sync.buffers import _BufferPool
+    from streamload.sync.buffers import BufferPool
 
-    pool = _BufferPool(torch.device("cpu"))
+    pool = BufferPool(torch.device("cpu"))
     a = pool.take(1000, 4096)
     a.fill_(7)
     ptr = a.data_ptr()

@@ -5,7 +5,7 @@ A pass (``source.py`` ``HubSource.iter_groups``, ``remote.py`` on the engine's s
 consumer each group's tensors over one buffer. The consumer's loops keep some of them while they
 ask for the next group (vLLM's name mapper: the last stacked shard it passed on); ``let_go`` moves
 such holds to memory of their own when nothing else can see them, so one buffer is alive at a
-time; ``_BufferPool`` reuses a buffer's memory only once nothing holds it; ``planned_peak`` is what
+time; ``BufferPool`` reuses a buffer's memory only once nothing holds it; ``planned_peak`` is what
 a pass order costs, which picks the order.
 """
 
@@ -22,7 +22,7 @@ import torch
 from .groups import Group
 
 
-class _BufferPool:
+class BufferPool:
     """Zeroed group buffers for one pass, their memory reused once nothing holds it.
 
     On the CPU a buffer is a numpy array (``calloc``: fresh pages are zero already and only those
@@ -76,6 +76,28 @@ class _BufferPool:
         most, self.most_held = self.most_held, 0
         self.arrays, self.made = [], []
         return most
+
+
+class Handout:
+    """The group a pass last handed to its consumer (weak references to its tensors, the buffer's
+    storage address and size); ``take_back`` before the next group moves what the consumer still
+    holds of it off the buffer (``let_go``)."""
+
+    def __init__(self) -> None:
+        self.given: list[weakref.ref[torch.Tensor]] = []
+        self.at = 0
+        self.nbytes = 0
+
+    def give(self, tensors: Sequence[torch.Tensor | None], buf: torch.Tensor, nbytes: int) -> None:
+        """Records ``tensors`` (over ``buf``, a group of ``nbytes``) as handed out."""
+        self.given = [weakref.ref(t) for t in tensors if t is not None]
+        self.at, self.nbytes = buf.untyped_storage().data_ptr(), nbytes
+
+    def take_back(self) -> int:
+        """Moves off the buffer what the consumer still holds of the last group; returns the bytes."""
+        moved = let_go(self.given, self.at, self.nbytes) if self.at else 0
+        self.given, self.at = [], 0
+        return moved
 
 
 def let_go(given: list[weakref.ref[torch.Tensor]], at: int, nbytes: int) -> int:

@@ -122,11 +122,9 @@ class Slot:
         dtype = TORCH_DTYPES[self.dtype]
         item = ITEMSIZE[self.dtype]
         assert buf.storage_offset() == 0 and self.offset % item == 0, (buf.storage_offset(), self.offset)
-        strides = [1] * len(self.shape)
-        for d in range(len(self.shape) - 2, -1, -1):
-            strides[d] = strides[d + 1] * self.shape[d + 1]
+        strides = torch.empty(self.shape, device="meta").stride()  # contiguous
         t = torch.empty(0, dtype=dtype, device=buf.device)
-        return t.set_(buf.untyped_storage(), self.offset // item, self.shape, tuple(strides))
+        return t.set_(buf.untyped_storage(), self.offset // item, self.shape, strides)
 
 
 @dataclass(frozen=True)

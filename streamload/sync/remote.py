@@ -33,7 +33,6 @@ from __future__ import annotations
 import pickle
 import threading
 import time
-import weakref
 from collections.abc import Callable, Iterator
 from datetime import timedelta
 from typing import Any
@@ -44,7 +43,7 @@ import torch.distributed as dist
 from ..model.placement import resolve_device, resolve_group
 from ..transport.arrival import meeting
 from ..transport.protocol import carries_cpu, gather_or_raise
-from .buffers import let_go, wait_released
+from .buffers import Handout, wait_released
 from .errors import EngineDeadError, SyncError
 from .groups import FLAG_BYTES, Group, Slot
 from .vllm_engine import refresh_experts, worker_info
@@ -219,12 +218,9 @@ def worker_receive(
         # As HubSource.iter_groups: tensors over the buffer, none of it held here when the next group
         # is received, and what the reload still holds of a group moved off its buffer (let_go):
         # one group buffer alive at a time in the engine's process too.
-        given: list[weakref.ref[torch.Tensor]] = []
-        at, nbytes = 0, 0
+        handout = Handout()
         while state["next"] < len(plan) and state["aborted"] is None:
-            if at:
-                let_go(given, at, nbytes)
-            given, at = [], 0
+            handout.take_back()
             nbytes, slots = plan[state["next"]][0], plan[state["next"]][1]
             buf = receive()
             if state["aborted"] is not None:
@@ -232,8 +228,7 @@ def worker_receive(
             pairs = [(name, Slot(name, dt, tuple(shape), off).over(buf)) for name, dt, shape, off in slots][
                 ::-1
             ]
-            given = [weakref.ref(t) for _, t in pairs]
-            at = buf.untyped_storage().data_ptr()
+            handout.give([t for _, t in pairs], buf, nbytes)
             del buf
             while pairs:
                 yield pairs.pop()

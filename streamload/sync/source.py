@@ -31,7 +31,6 @@ vLLM; ``vllm_weight_source`` wraps it into vLLM's own ABC where a backend checks
 from __future__ import annotations
 
 import time
-import weakref
 from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -48,7 +47,7 @@ from ..save.tiling import check_tiling
 from ..transport.arrival import current, wait_work
 from ..transport.collectives import solo
 from ..transport.protocol import carries_cpu
-from .buffers import _BufferPool, let_go, planned_peak, wait_released
+from .buffers import BufferPool, Handout, planned_peak, wait_released
 from .errors import SyncError
 from .groups import FLAG_BYTES, Group, Slot, plan_groups, pre_last
 
@@ -185,7 +184,7 @@ class HubSource:
             by_name.setdefault(p.key, []).append(p)
         self._pieces = [[(s, p) for s in g.slots for p in by_name.get(s.name, ())] for g in self._groups]
         self.stats = SourceStats()
-        self._pool = _BufferPool(self.device)
+        self._pool = BufferPool(self.device)
 
     @staticmethod
     def _plan(
@@ -262,12 +261,9 @@ class HubSource:
         self.failed = None
         self.peer_failed = None
         stop_early = self.transfer is None and self.receivers == ALL
-        given: list[weakref.ref[torch.Tensor]] = []  # the previous group's tensors
-        given_at, given_bytes = 0, 0
+        handout = Handout()
         for g in self._groups:
-            if given_at:
-                self.stats.moved_bytes += let_go(given, given_at, given_bytes)
-            given, given_at = [], 0
+            self.stats.moved_bytes += handout.take_back()
             buf = self._materialise(g)
             if self.failed is not None or self.peer_failed is not None:
                 del buf
@@ -278,8 +274,7 @@ class HubSource:
                 yield g.names, [None] * len(g.slots)
             else:
                 tensors: list[torch.Tensor | None] = [s.over(buf) for s in g.slots]
-                given = [weakref.ref(t) for t in tensors if t is not None]
-                given_at, given_bytes = buf.untyped_storage().data_ptr(), g.nbytes
+                handout.give(tensors, buf, g.nbytes)
                 yield g.names, tensors
                 del tensors
             del buf
