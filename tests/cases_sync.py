@@ -124,6 +124,8 @@ def case_source(
         "model_bytes": sum(t.nbytes for t in fulls.values()),
         "largest_param": max(t.nbytes for t in fulls.values()),
         "received": sum(t is not None for t in got.values()),
+        # groups whose reused buffer is zeroed only outside this rank's pieces (the rest written over)
+        "partly_zeroed": sum(g is not None and len(g) > 0 for g in src._gaps),
     }
     assert order == [m.name for m in src.metadata()], "iteration order is not metadata() order"
     assert [n for n, _ in flat] == order

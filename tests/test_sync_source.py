@@ -73,6 +73,7 @@ def test_source_equals_transformers_save(group: RankGroup, ckpts, ws: int, mt: s
         assert r["largest_group"] * 2 < r["model_bytes"], (r["largest_group"], r["model_bytes"])
         assert 0 < r["allocated"] <= r["largest_group"], (r["allocated"], r["largest_group"])
         assert r["received"] > 0
+        assert r["partly_zeroed"] == r["groups"], r  # and still equal to transformers' save
 
 
 def test_source_casts_and_one_receiver(group: RankGroup, ckpts) -> None:
@@ -115,6 +116,31 @@ def test_group_buffers_are_reused_once_nothing_holds_them() -> None:
     assert d.data_ptr() == ptr and d.numel() == 4000 and int(d.sum()) == 0
     pool.clear()
     assert pool.arrays == []
+
+
+def test_a_reused_buffer_is_zeroed_where_the_pack_does_not_write() -> None:
+    """A reused buffer is zeroed only outside this rank's pieces (the pack writes over the rest:
+    zeroing it too doubled the pack's memory writes); a piece that is not one contiguous block
+    (a shard along dim 1) zeroes the whole buffer, as before."""
+    from streamload.sync.buffers import BufferPool, zero_gaps
+
+    meta = torch.empty(72, dtype=torch.uint8, device="meta")
+    w = meta[:64].view(torch.float32).view(4, 4)
+    gaps = zero_gaps(72, [w[2:4], meta[0:8]])  # rows 2-3 of a (4, 4) tensor, a leading word
+    assert gaps == [(8, 32), (64, 72)]
+    assert zero_gaps(72, [w[:, 2:]]) is None
+    assert zero_gaps(72, [w[:0]]) == [(0, 72)]
+    pool = BufferPool(torch.device("cpu"))
+    a = pool.take(72, 72)
+    ptr = a.data_ptr()
+    a.fill_(7)
+    del a
+    b = pool.take(72, 72, gaps)
+    assert b.data_ptr() == ptr
+    assert b[8:32].eq(0).all() and b[64:].eq(0).all() and b[:8].eq(7).all() and b[32:64].eq(7).all()
+    del b
+    c = pool.take(72, 72, None)
+    assert c.data_ptr() == ptr and int(c.sum()) == 0
 
 
 def _plain_model(tmp_path, mt: str, tie: bool):  # type: ignore[no-untyped-def]

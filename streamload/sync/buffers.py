@@ -42,8 +42,9 @@ class BufferPool:
         self.made: list[weakref.ref[np.ndarray]] = []  # every array of the pass
         self.most_held = 0  # the most group buffers held at once (by anyone) in the pass
 
-    def take(self, nbytes: int, size: int) -> torch.Tensor:
-        """A zeroed uint8 tensor of ``nbytes`` (arrays of ``size`` bytes, the largest group's)."""
+    def take(self, nbytes: int, size: int, gaps: Sequence[tuple[int, int]] | None = None) -> torch.Tensor:
+        """A uint8 tensor of ``nbytes`` (arrays of ``size`` bytes, the largest group's), zero
+        where the caller will not write: in ``gaps`` (byte ranges), or everywhere when None."""
         if self.device.type != "cpu":
             return torch.zeros(nbytes, dtype=torch.uint8, device=self.device)
         self.most_held = max(self.most_held, self._held() + 1)
@@ -51,7 +52,11 @@ class BufferPool:
             # The list's reference and getrefcount's own argument: no tensor holds this array.
             if self.arrays[i].nbytes >= nbytes and sys.getrefcount(self.arrays[i]) == 2:
                 buf = torch.from_numpy(self.arrays[i][:nbytes])
-                buf.zero_()
+                if gaps is None:
+                    buf.zero_()
+                else:  # the rest is written over: zeroing it too would double the pack's writes
+                    for lo, hi in gaps:
+                        buf[lo:hi].zero_()
                 return buf
         arr = np.zeros(max(nbytes, size), dtype=np.uint8)
         self.made.append(weakref.ref(arr))
@@ -149,6 +154,37 @@ def _held_over(given: list[weakref.ref[torch.Tensor]], at: int) -> list[torch.Te
         if t is not None and t.untyped_storage().data_ptr() == at:
             out.append(t)
     return out
+
+
+def zero_gaps(total: int, regions: Sequence[torch.Tensor]) -> list[tuple[int, int]] | None:
+    """The byte ranges of a ``total``-byte buffer that no region covers, in order; None when a
+    region is not one contiguous block (the whole buffer is zeroed then).
+
+    Args:
+        total: the buffer's size in bytes.
+        regions: views of the buffer (any dtype; a meta buffer will do) that the pack fills.
+
+    Example:
+        >>> b = torch.empty(16, dtype=torch.uint8, device="meta")
+        >>> zero_gaps(16, [b[4:8], b[10:12]])
+        [(0, 4), (8, 10), (12, 16)]
+    """
+    covered = []
+    for v in regions:
+        if v.numel() == 0:
+            continue
+        if not v.is_contiguous():
+            return None
+        lo = v.storage_offset() * v.element_size()
+        covered.append((lo, lo + v.numel() * v.element_size()))
+    gaps, pos = [], 0
+    for lo, hi in sorted(covered):
+        if lo > pos:
+            gaps.append((pos, lo))
+        pos = max(pos, hi)
+    if pos < total:
+        gaps.append((pos, total))
+    return gaps
 
 
 def pinned_bytes(g: Group) -> int:

@@ -47,7 +47,7 @@ from ..save.tiling import check_tiling
 from ..transport.arrival import current, wait_work
 from ..transport.collectives import solo
 from ..transport.protocol import carries_cpu
-from .buffers import BufferPool, Handout, planned_peak, wait_released
+from .buffers import BufferPool, Handout, planned_peak, wait_released, zero_gaps
 from .errors import SyncError
 from .groups import FLAG_BYTES, Group, Slot, plan_groups, pre_last
 
@@ -183,6 +183,8 @@ class HubSource:
         for p in self.plan.pieces:
             by_name.setdefault(p.key, []).append(p)
         self._pieces = [[(s, p) for s in g.slots for p in by_name.get(s.name, ())] for g in self._groups]
+        # What a reused buffer must have zeroed: the bytes this rank's pieces do not write over.
+        self._gaps = [self._zero_gaps(g, pieces) for g, pieces in zip(self._groups, self._pieces, strict=True)]
         self.stats = SourceStats()
         self._pool = BufferPool(self.device)
 
@@ -204,6 +206,11 @@ class HubSource:
             )
             for g in plan_groups(entries)
         ]
+
+    @staticmethod
+    def _zero_gaps(g: Group, pieces: list[tuple[Slot, Piece]]) -> list[tuple[int, int]] | None:
+        meta = torch.empty(g.nbytes + FLAG_BYTES, dtype=torch.uint8, device="meta")
+        return zero_gaps(meta.numel(), [_region(slot, piece, meta) for slot, piece in pieces])
 
     # -- vLLM's WeightSource shape -------------------------------------------------------------
 
@@ -315,7 +322,7 @@ class HubSource:
         t0 = time.perf_counter()
         # The group's bytes, then FLAG_BYTES: (ranks failed, sum of their rank + 1) as int32
         # words, summed by the same collective (no extra one).
-        buf = self._pool.take(g.nbytes + FLAG_BYTES, self.largest_group_bytes)
+        buf = self._pool.take(g.nbytes + FLAG_BYTES, self.largest_group_bytes, self._gaps[g.index])
         if self.failed is None:
             slot: Slot | None = None
             try:
