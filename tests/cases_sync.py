@@ -89,6 +89,7 @@ def case_source(
     dtype: torch.dtype | None = None,
     receivers: str | int = "all",
     passes: int = 2,
+    keep_buffer: bool = True,
 ) -> dict[str, Any] | None:
     """load -> one optimizer step -> HubSource passes -> every yielded tensor equals transformers'
     save of the gathered model; collectives, group bytes and allocations recorded."""
@@ -98,7 +99,7 @@ def case_source(
     group = subgroup(ws)
     model = streamload.from_pretrained(ckpt, device_mesh=mesh, dtype=torch.float32, progress=False)
     _one_step(model)
-    src = HubSource(model, dtype=dtype, receivers=receivers, process_group=group)
+    src = HubSource(model, dtype=dtype, receivers=receivers, process_group=group, keep_buffer=keep_buffer)
     allocs = _Allocations()
     got: dict[str, torch.Tensor | None] = {}
     order: list[str] = []
@@ -112,7 +113,8 @@ def case_source(
                 for n, t in zip(names, tensors, strict=True):
                     order.append(n)
                     got[n] = None if t is None else t.clone()
-        flat = [(n, t) for n, t in src]  # the plain iterator: the same pairs
+        kept = src.kept_bytes  # each group cloned and let go: its buffer kept for the next pass
+        flat = [(n, t) for n, t in src]  # the plain iterator: the same pairs (all held: none kept)
     fulls = {n: full(p).detach().clone() for n, p in model.named_parameters()}
     result: dict[str, Any] = {
         "collectives": dict(counts),
@@ -126,6 +128,8 @@ def case_source(
         "received": sum(t is not None for t in got.values()),
         # groups whose reused buffer is zeroed only outside this rank's pieces (the rest written over)
         "partly_zeroed": sum(g is not None and len(g) > 0 for g in src._gaps),
+        "kept": kept,
+        "kept_after_flat": src.kept_bytes,
     }
     assert order == [m.name for m in src.metadata()], "iteration order is not metadata() order"
     assert [n for n, _ in flat] == order

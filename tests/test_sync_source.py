@@ -74,14 +74,18 @@ def test_source_equals_transformers_save(group: RankGroup, ckpts, ws: int, mt: s
         assert 0 < r["allocated"] <= r["largest_group"], (r["allocated"], r["largest_group"])
         assert r["received"] > 0
         assert r["partly_zeroed"] == r["groups"], r  # and still equal to transformers' save
+        # one buffer kept between passes (the later passes reused it: still equal)
+        assert r["kept"] == r["largest_group"], r
+        assert r["kept_after_flat"] == 0  # every tensor of the last pass still held: nothing kept
 
 
 def test_source_casts_and_one_receiver(group: RankGroup, ckpts) -> None:
     # bf16 on the wire, as save_pretrained(dtype=torch.bfloat16) writes it
     group.run(cases.case_source, ckpt=ckpts["qwen3_moe"], ws=3, dtype=torch.bfloat16, passes=1)
-    # one receiving rank: a reduce per group, the others yield None
-    res = group.run(cases.case_source, ckpt=ckpts["qwen2"], ws=3, receivers=1, passes=1)
+    # one receiving rank: a reduce per group, the others yield None; no buffer kept when asked
+    res = group.run(cases.case_source, ckpt=ckpts["qwen2"], ws=3, receivers=1, passes=1, keep_buffer=False)
     assert [r["received"] > 0 for r in res] == [False, True, False]
+    assert [r["kept"] for r in res] == [0, 0, 0]
     assert all(r["collectives"] == {"reduce": 2 * r["groups"]} for r in res)
 
 
@@ -141,6 +145,30 @@ def test_a_reused_buffer_is_zeroed_where_the_pack_does_not_write() -> None:
     del b
     c = pool.take(72, 72, None)
     assert c.data_ptr() == ptr and int(c.sum()) == 0
+
+
+def test_a_free_buffer_is_kept_for_the_next_pass() -> None:
+    """``clear(keep=True)`` keeps one array nothing holds (its pages stay resident: the next pass
+    faults nothing in); an array a tensor still holds is never kept, and ``clear()`` keeps none."""
+    from streamload.sync.buffers import BufferPool
+
+    pool = BufferPool(torch.device("cpu"))
+    a = pool.take(1000, 4096)
+    ptr = a.data_ptr()
+    a.fill_(7)
+    del a
+    assert pool.clear(keep=True) == 1 and pool.kept_bytes == 4096
+    b = pool.take(2000, 4096, [(0, 2000)])  # the next pass: the kept memory, zeroed where asked
+    assert b.data_ptr() == ptr and int(b.sum()) == 0
+    pool.clear(keep=True)  # `b` still holds it: not kept
+    assert pool.kept_bytes == 0
+    c = pool.take(100, 4096)
+    assert c.data_ptr() != ptr
+    del b, c
+    pool.clear(keep=True)
+    assert pool.kept_bytes == 4096
+    pool.clear()
+    assert pool.kept_bytes == 0 and pool.arrays == []
 
 
 def _plain_model(tmp_path, mt: str, tie: bool):  # type: ignore[no-untyped-def]

@@ -148,6 +148,8 @@ def test_five_syncs_in_a_row_flat_memory(found: dict[str, Any], key: str) -> Non
         # syncs 2..5 together grow the process by less than two passes' bytes (a pass leaked per
         # sync would be four; malloc's arenas move by a fraction of a pass on these tiny models)
         assert rss[-1] - rss[1] < 2 * r["report"].bytes, rss
+        # the one group buffer kept for the next sync (its pages resident: no fault-in per sync)
+        assert r["report"].kept_bytes == r["report"].peak_group_bytes, r["report"]
 
 
 def test_groups_are_vllms_layerwise_groups(found: dict[str, Any]) -> None:

@@ -47,6 +47,8 @@ class SyncReport:
         refreshed: MoE layers whose experts were re-packed after the reload.
         engine_rss: the engine process's resident bytes after the sync (a separate engine, as
             rank 0 heard it; 0 for colocated engines).
+        kept_bytes: host memory this rank keeps for the next sync (one group buffer with
+            ``keep_buffer``; 0 on a device, where torch's caching allocator keeps it).
     """
 
     seconds: float = 0.0
@@ -60,6 +62,7 @@ class SyncReport:
     aliases: dict[str, list[str]] = field(default_factory=dict)
     refreshed: int = 0
     engine_rss: int = 0
+    kept_bytes: int = 0
 
 
 # model -> (what the source was planned for, the source): the plan (and its one agreement) is
@@ -75,6 +78,7 @@ def sync_weights(
     process_group: dist.ProcessGroup | None = None,
     device_mesh: Any = None,
     timeout: float | None = None,
+    keep_buffer: bool = True,
 ) -> SyncReport:
     """Loads the trainer's current weights into this rank's colocated vLLM engine, or into an
     engine in another process (``llm`` a ``RemoteEngine``), in place.
@@ -96,6 +100,9 @@ def sync_weights(
         device_mesh: the model's mesh.
         timeout: seconds to wait for peers that have not called (``STREAMLOAD_TIMEOUT``, 300),
             and at most for each per-group collective.
+        keep_buffer: with a CPU wire (gloo), keep one group buffer resident until the next sync
+            (``SyncReport.kept_bytes``) instead of faulting a fresh one in every sync; False
+            frees it when the sync ends.
 
     Returns:
         SyncReport for this rank.
@@ -118,10 +125,12 @@ def sync_weights(
     """
     group = resolve_group(process_group, device_mesh)
     with meeting("sync_weights", group, timeout, {"dtype": dtype}):
-        return _sync(model, llm, dtype, group, device_mesh)
+        return _sync(model, llm, dtype, group, device_mesh, keep_buffer)
 
 
-def _sync(model: nn.Module, llm: Any, dtype: torch.dtype | None, group: Any, device_mesh: Any) -> SyncReport:
+def _sync(
+    model: nn.Module, llm: Any, dtype: torch.dtype | None, group: Any, device_mesh: Any, keep_buffer: bool
+) -> SyncReport:
     t0 = time.perf_counter()
     remote = llm if isinstance(llm, RemoteEngine) else None
     rank = dist.get_rank(group) if group is not None else 0
@@ -153,6 +162,9 @@ def _sync(model: nn.Module, llm: Any, dtype: torch.dtype | None, group: Any, dev
         model, dtype, aliases, group, device_mesh, layout, transfer, reuse=all(a[1] for a in every)
     )
     source.watch = None if remote is None else remote.watch
+    source.keep_buffer = keep_buffer
+    if not keep_buffer:
+        source.release()  # what an earlier sync kept
     before = SourceStats(**vars(source.stats))
     outcome, local = _feed_remote(remote, source) if remote is not None else _feed(llm, source, rank)
     every = gather_or_raise(outcome, local, rank, group, device)
@@ -172,6 +184,7 @@ def _sync(model: nn.Module, llm: Any, dtype: torch.dtype | None, group: Any, dev
         aliases=aliases,
         refreshed=int(outcome.get("refreshed", 0)),
         engine_rss=int(outcome.get("rss", 0)),
+        kept_bytes=source.kept_bytes,
     )
 
 

@@ -117,6 +117,10 @@ class HubSource:
         watch: called while a collective waits (once a second); raises when what the collective
             also waits on is gone (``RemoteEngine.ping``: the engine's process). Inside a call
             (``sync_weights``) each collective waits at most the call's ``timeout``.
+        keep_buffer: on the CPU, keep one group buffer (the largest group's size) between passes,
+            its pages resident, so the next pass does not fault a fresh one in; ``release``
+            frees it. False: every pass ends with no buffer. (On a device torch's caching
+            allocator keeps the memory either way.)
 
     Raises:
         SaveError: the model has a tensor with no hub form, or the ranks' shards do not tile
@@ -140,6 +144,7 @@ class HubSource:
         layout: Layout | None = None,
         transfer: tuple[Any, int] | None = None,
         watch: Callable[[], None] | None = None,
+        keep_buffer: bool = True,
     ) -> None:
         if receivers != ALL and not isinstance(receivers, int):
             raise ValueError(f"receivers must be 'all' or a group rank, not {receivers!r}")
@@ -184,9 +189,12 @@ class HubSource:
             by_name.setdefault(p.key, []).append(p)
         self._pieces = [[(s, p) for s in g.slots for p in by_name.get(s.name, ())] for g in self._groups]
         # What a reused buffer must have zeroed: the bytes this rank's pieces do not write over.
-        self._gaps = [self._zero_gaps(g, pieces) for g, pieces in zip(self._groups, self._pieces, strict=True)]
+        self._gaps = [
+            self._zero_gaps(g, pieces) for g, pieces in zip(self._groups, self._pieces, strict=True)
+        ]
         self.stats = SourceStats()
         self._pool = BufferPool(self.device)
+        self.keep_buffer = keep_buffer
 
     @staticmethod
     def _plan(
@@ -285,14 +293,26 @@ class HubSource:
                 yield g.names, tensors
                 del tensors
             del buf
-        # Nothing is kept between passes (the engine may still hold the last group).
-        self.stats.held_groups = self._pool.clear()
+        # What the consumer still holds of the last group moves off its buffer as at every group
+        # (``let_go``'s rules), so that buffer can be the one kept for the next pass; one the
+        # consumer holds more of is let go to it, never reused.
+        self.stats.moved_bytes += handout.take_back()
+        self.stats.held_groups = self._pool.clear(keep=self.keep_buffer)
         self.stats.passes += 1
         self.stats.per_pass.append(self.stats.collectives - before)
         if self.failed is not None:
             raise self.failed
         if self.peer_failed is not None:
             raise self.peer_failed
+
+    def release(self) -> None:
+        """Frees the group buffer kept between passes (``keep_buffer``)."""
+        self._pool.clear()
+
+    @property
+    def kept_bytes(self) -> int:
+        """Host bytes kept between passes (one group buffer with ``keep_buffer``, else 0)."""
+        return self._pool.kept_bytes
 
     def abort(self, exc: BaseException) -> None:
         """Stops the pass under way on every rank: this rank's next group travels as zeros with its

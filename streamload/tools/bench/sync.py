@@ -126,7 +126,7 @@ def sync_table(rows: list[dict[str, Any]]) -> str:
     notes = [
         f"- {label} at {world} ranks: {r['hub_bytes'] / 2**20:.0f} MiB per sync in {r['groups']} groups, "
         f"largest group {r['group_bytes'] / 2**20:.0f} MiB, at most {r.get('held_groups', 0)} group buffer(s) "
-        "alive at once on a rank"
+        f"alive at once on a rank, {r.get('kept_bytes', 0) / 2**20:.0f} MiB kept between syncs (in its peak extra)"
         for (label, world), r in groups.items()
     ]
     return "\n".join(lines) + "\n\n" + "\n".join(notes)

@@ -21,7 +21,8 @@ took; assembly = the sync's seconds less transport and engine (packing, planning
 engine, agreements, the experts' split): what the sender adds.
 
 Each rank samples its own RssAnon every 10 ms during a run: peak extra = peak - baseline just
-before the run. Results: a JSON list on stdout's last line.
+before the run; for streamload plus the group buffer the previous sync kept (``kept_bytes``),
+which is resident at that baseline. Results: a JSON list on stdout's last line.
 """
 
 from __future__ import annotations
@@ -155,7 +156,8 @@ def _rank_main(rank: int, world: int, init: str, ckpt: str, repeat: int, q: Any)
         )
         save_dir = os.path.join(tempfile.gettempdir(), "sync_bench_save")
         # the plan made once (every later sync reuses it); the bytes a sync moves (the floor's)
-        hub_bytes = streamload.sync_weights(model, llm).bytes
+        first = streamload.sync_weights(model, llm)
+        hub_bytes, kept = first.bytes, first.kept_bytes
         rows: list[dict[str, Any]] = []
         for rep in range(repeat):
             for way in WAYS:
@@ -173,7 +175,10 @@ def _rank_main(rank: int, world: int, init: str, ckpt: str, repeat: int, q: Any)
                         "group_bytes": r.peak_group_bytes,
                         "held_groups": r.held_groups,
                         "groups": r.groups,
+                        # the buffer the last sync kept is resident at the baseline: counted below
+                        "kept_before": kept,
                     }
+                    kept = r.kept_bytes
                 elif way == "module_source":
                     row = _module_source(model, llm)
                 elif way == "save_reload":
@@ -194,7 +199,7 @@ def _rank_main(rank: int, world: int, init: str, ckpt: str, repeat: int, q: Any)
                 # Assembly, for every way alike: the sync's time in neither the transport nor the
                 # engine's own load (packing, planning, probing the engine, agreements, the split).
                 row["assembly"] = max(0.0, row["seconds"] - row["transport"] - row["engine"])
-                row["peak_extra"] = peak.stop()
+                row["peak_extra"] = peak.stop() + row.get("kept_before", 0)
                 row.update(way=way, rep=rep, rank=rank, world=world, hub_bytes=hub_bytes)
                 rows.append(row)
                 dist.barrier()
@@ -262,6 +267,7 @@ def summarise(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
             row["group_bytes"] = first["group_bytes"]
             row["held_groups"] = max(r.get("held_groups", 0) for r in rows if r["way"] == way)
             row["groups"] = first["groups"]
+            row["kept_bytes"] = max(r.get("kept_before", 0) for r in rows if r["way"] == way)
         out.append(row)
     return out
 
