@@ -206,6 +206,8 @@ def test_separate_engine_five_syncs_flat(found: dict[str, Any], key: str) -> Non
         rep, rss, engine = r[key]["report"], r[key]["five_rss"], r[key]["five_engine_rss"]
         assert rss[-1] - rss[1] < 2 * rep.bytes, rss  # each trainer rank (see the colocated test)
         assert 0 < engine[0] and engine[-1] - engine[1] < 2 * rep.bytes, engine  # the engine's process
+        # the engine's process holds one group buffer at a time and keeps it for the next sync
+        assert rep.engine_held_groups == 1 and rep.engine_kept_bytes == rep.peak_group_bytes, rep
 
 
 def test_separate_engine_named_errors_on_every_rank(found: dict[str, Any]) -> None:

@@ -49,6 +49,9 @@ class SyncReport:
             rank 0 heard it; 0 for colocated engines).
         kept_bytes: host memory this rank keeps for the next sync (one group buffer with
             ``keep_buffer``; 0 on a device, where torch's caching allocator keeps it).
+        engine_held_groups: a separate engine's most group buffers alive at once in its process
+            (0 for colocated engines).
+        engine_kept_bytes: the group buffer a separate engine's process keeps for the next sync.
     """
 
     seconds: float = 0.0
@@ -63,6 +66,8 @@ class SyncReport:
     refreshed: int = 0
     engine_rss: int = 0
     kept_bytes: int = 0
+    engine_held_groups: int = 0
+    engine_kept_bytes: int = 0
 
 
 # model -> (what the source was planned for, the source): the plan (and its one agreement) is
@@ -185,6 +190,8 @@ def _sync(
         refreshed=int(outcome.get("refreshed", 0)),
         engine_rss=int(outcome.get("rss", 0)),
         kept_bytes=source.kept_bytes,
+        engine_held_groups=int(outcome.get("held_groups", 0)),  # a separate engine's answer only
+        engine_kept_bytes=int(outcome.get("kept", 0)),
     )
 
 

@@ -43,13 +43,16 @@ import torch.distributed as dist
 from ..model.placement import resolve_device, resolve_group
 from ..transport.arrival import meeting
 from ..transport.protocol import carries_cpu, gather_or_raise
-from .buffers import Handout, wait_released
+from .buffers import BufferPool, Handout, wait_released
 from .errors import EngineDeadError, SyncError
 from .groups import FLAG_BYTES, Group, Slot
 from .vllm_engine import refresh_experts, worker_info
 
 _PREFIX = "streamload/sync/"
 _LINKS: dict[str, Any] = {}  # in the engine's worker: link id -> its transfer group
+# In the engine's worker: link id -> its group buffers (one reused through a pass and kept for the
+# next, as on the trainers' side: no fresh pages faulted in per group or per sync).
+_POOLS: dict[str, BufferPool] = {}
 # How long a transfer's watch waits for the engine's store to answer (a stopped engine's process).
 WATCH_SECONDS = 5.0
 _CHUNK = 4 << 20  # a TCPStore value is at most 8 MiB: larger messages go in pieces
@@ -194,10 +197,13 @@ def worker_receive(
     pg = _LINKS[key][0]
     device = torch.device("cpu") if isinstance(pg, dist.ProcessGroupGloo) else worker.device
     state: dict[str, Any] = {"next": 0, "aborted": None}
+    pool = _POOLS.setdefault(key, BufferPool(device))
+    size = max(n for n, _ in plan) + FLAG_BYTES
+    handout = Handout()
 
     def receive() -> torch.Tensor:
         i = state["next"]
-        buf = torch.zeros(plan[i][0] + FLAG_BYTES, dtype=torch.uint8, device=device)
+        buf = pool.take(plan[i][0] + FLAG_BYTES, size)  # zero throughout: the engine adds no bytes
         opts = dist.ReduceOptions()
         opts.rootRank = pg.rank()
         opts.reduceOp = dist.ReduceOp(dist.ReduceOp.SUM)
@@ -218,7 +224,6 @@ def worker_receive(
         # As HubSource.iter_groups: tensors over the buffer, none of it held here when the next group
         # is received, and what the reload still holds of a group moved off its buffer (let_go):
         # one group buffer alive at a time in the engine's process too.
-        handout = Handout()
         while state["next"] < len(plan) and state["aborted"] is None:
             handout.take_back()
             nbytes, slots = plan[state["next"]][0], plan[state["next"]][1]
@@ -244,6 +249,8 @@ def worker_receive(
         error = f"{type(exc).__name__}: {exc}"
     while state["next"] < len(plan):  # the rest of the pass (none left after a reload that took it all)
         receive()
+    handout.take_back()  # what the reload still holds of the last group, so its buffer can stay
+    held = pool.clear(keep=True)
     if state["aborted"] is not None:
         error = state["aborted"]
     return {
@@ -252,6 +259,8 @@ def worker_receive(
         "aborted": state["aborted"] is not None,
         "seconds": time.perf_counter() - t0,
         "refreshed": refreshed,
+        "held_groups": held,
+        "kept": pool.kept_bytes,
     }
 
 
