@@ -71,11 +71,11 @@ def main() -> None:
     }  # fmt: skip
     results: dict[str, object] = {}
     t0 = time.perf_counter()
-    # The separate engine (3 trainer ranks): its process starts now and loads its engines while the
-    # colocated cases run.
-    engine = None
+    # The separate engine (fed by every trainer rank, at 2 and at 3): its process starts now and
+    # loads its engines while the colocated cases run.
     ports = {key: _free_port() for key in MODELS}
-    if world == 3:
+    engine: subprocess.Popen[bytes] | None = None
+    if world > 1:
         engine = subprocess.Popen(
             [
                 sys.executable,
