@@ -180,6 +180,59 @@ def _plain_model(tmp_path, mt: str, tie: bool):  # type: ignore[no-untyped-def]
     return streamload.from_pretrained(str(path), dtype=torch.float32, progress=False)
 
 
+def test_a_pass_that_ends_early_or_fails_leaves_no_buffer_behind(tmp_path, monkeypatch) -> None:
+    """``keep_buffer=False`` keeps nothing however a pass ends: a consumer that stops early (the
+    generator closed at a group boundary), a rank whose pack raises (its error's traceback no longer
+    pins the buffer it was packing, while the error is still alive). ``keep_buffer=True`` keeps
+    only a free buffer after a consumer stopped early."""
+    import weakref
+
+    import streamload.sync.source as source_mod
+    from streamload.sync.buffers import BufferPool
+    from streamload.sync.errors import SyncError
+    from streamload.sync.source import HubSource
+
+    model = _plain_model(tmp_path, "llama", tie=False)
+    made: list[weakref.ref] = []
+    clear = BufferPool.clear
+
+    def seen(self: BufferPool, keep: bool = False) -> int:
+        made.extend(self.made)
+        return clear(self, keep)
+
+    monkeypatch.setattr(BufferPool, "clear", seen)
+    src = HubSource(model, keep_buffer=False)
+    assert len(src.groups()) >= 3
+    for i, _group in enumerate(src.iter_groups()):
+        if i == 1:
+            break  # the generator is closed here, at a group boundary
+    del _group  # the consumer's own hold on the last group
+    assert src.kept_bytes == 0 and src._pool.arrays == []
+    assert made and all(r() is None for r in made)
+    src.keep_buffer = True
+    for i, (_names, tensors) in enumerate(src.iter_groups()):
+        del tensors
+        if i == 1:
+            break
+    assert src.kept_bytes == src.largest_group_bytes
+
+    src.keep_buffer = False
+    made.clear()
+    region = source_mod._region
+
+    def failing(slot, piece, buf):  # type: ignore[no-untyped-def]
+        if slot.name.startswith("model.layers.1."):
+            raise RuntimeError("injected pack failure")
+        return region(slot, piece, buf)
+
+    monkeypatch.setattr(source_mod, "_region", failing)
+    with pytest.raises(SyncError, match="injected pack failure") as info:
+        for _ in src:
+            pass
+    assert info.value.tensor is not None and info.value.tensor.startswith("model.layers.1.")
+    assert src.kept_bytes == 0 and made and all(r() is None for r in made), "a buffer outlived the pass"
+
+
 def test_held_tensors_move_off_their_buffer_and_tied_embeddings_go_last(tmp_path) -> None:
     """A consumer that keeps tensors of a group (vLLM's loops keep the last ones they passed on) keeps
     the same objects with the same values, moved off the group buffer when the next group is made, so

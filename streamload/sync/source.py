@@ -31,6 +31,7 @@ vLLM; ``vllm_weight_source`` wraps it into vLLM's own ABC where a backend checks
 from __future__ import annotations
 
 import time
+import traceback
 from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -277,27 +278,36 @@ class HubSource:
         self.peer_failed = None
         stop_early = self.transfer is None and self.receivers == ALL
         handout = Handout()
-        for g in self._groups:
-            self.stats.moved_bytes += handout.take_back()
-            buf = self._materialise(g)
-            if self.failed is not None or self.peer_failed is not None:
+        try:
+            for g in self._groups:
+                self.stats.moved_bytes += handout.take_back()
+                buf = self._materialise(g)
+                if self.failed is not None or self.peer_failed is not None:
+                    del buf
+                    if stop_early or g is self._groups[-1]:
+                        break
+                    continue
+                if buf is None:
+                    yield g.names, [None] * len(g.slots)
+                else:
+                    tensors: list[torch.Tensor | None] = [s.over(buf) for s in g.slots]
+                    handout.give(tensors, buf, g.nbytes)
+                    yield g.names, tensors
+                    del tensors
                 del buf
-                if stop_early or g is self._groups[-1]:
-                    break
-                continue
-            if buf is None:
-                yield g.names, [None] * len(g.slots)
-            else:
-                tensors: list[torch.Tensor | None] = [s.over(buf) for s in g.slots]
-                handout.give(tensors, buf, g.nbytes)
-                yield g.names, tensors
-                del tensors
-            del buf
-        # What the consumer still holds of the last group moves off its buffer as at every group
-        # (``let_go``'s rules), so that buffer can be the one kept for the next pass; one the
-        # consumer holds more of is let go to it, never reused.
-        self.stats.moved_bytes += handout.take_back()
-        self.stats.held_groups = self._pool.clear(keep=self.keep_buffer)
+            # What the consumer still holds of the last group moves off its buffer as at every
+            # group (``let_go``'s rules), so that buffer can be the one kept for the next pass; one
+            # the consumer holds more of is let go to it, never reused.
+            self.stats.moved_bytes += handout.take_back()
+        finally:
+            # However the pass ends (a consumer that stops early, a peer lost): a failure's
+            # traceback no longer pins the group buffer it was packing, and only a free buffer
+            # is kept, only with ``keep_buffer``.
+            for err in (self.failed, self.peer_failed):
+                for e in (err, err and err.__cause__):
+                    if e is not None:
+                        traceback.clear_frames(e.__traceback__)
+            self.stats.held_groups = self._pool.clear(keep=self.keep_buffer)
         self.stats.passes += 1
         self.stats.per_pass.append(self.stats.collectives - before)
         if self.failed is not None:
