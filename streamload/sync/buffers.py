@@ -28,10 +28,11 @@ class BufferPool:
     On the CPU a buffer is a numpy array (``calloc``: fresh pages are zero already and only those
     a group touches become resident) that the group's tensor views through ``torch.from_numpy``;
     the array's reference count (``sys.getrefcount``) tells whether any tensor of that group is
-    still alive - the consumer's, or the engine's that kept a view. A free one is zeroed and reused
-    for the next group (no page faults, no new mapping per group); one still held is left alone
-    and another made. Cleared at the end of each pass. On a device: a fresh ``torch.zeros`` each
-    time (its caching allocator already reuses).
+    still alive - the consumer's, or the engine's that kept a view. A free one is reused for the
+    next group (no page faults, no new mapping per group), zeroed where the pack will not write;
+    one still held is left alone and another made. At the end of a pass one free array may stay
+    for the next (``clear(keep=True)``). On a device: a fresh ``torch.zeros`` each time (its
+    caching allocator already reuses).
     """
 
     KEEP = 2

@@ -36,7 +36,7 @@ class SyncReport:
     Attributes:
         seconds: wall time of the whole sync.
         engine_seconds: time inside the engine's reload (the stream's production included).
-        pack_seconds: sender-side assembly (zero-fill and copies of own pieces).
+        pack_seconds: sender-side assembly (zeroing and copies of own pieces).
         wire_seconds: time in the collectives.
         groups: layer groups sent (one collective each).
         bytes: group buffer bytes.

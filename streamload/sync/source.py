@@ -6,8 +6,9 @@ on meta tensors of the global shapes), ties stored once, the cast, and every ran
 every hub tensor, proven once to tile each hub tensor exactly (``save/tiling.py``
 ``check_tiling``). A sync then runs the plan group by group (``groups.py``):
 
-1. every rank zero-fills one buffer of the group's size and copies its own pieces into their
-   places (the cast happens in this copy), straight from its local shards;
+1. every rank copies its own pieces into their places in one buffer of the group's size (the
+   cast happens in this copy), straight from its local shards, and zeroes the rest of it (a
+   reused buffer only there: ``buffers.zero_gaps``);
 2. ONE collective over the group's buffer, viewed as int32 words: ``all_reduce(SUM)`` when every
    rank receives (colocated engines), ``reduce(SUM)`` to the one receiving rank otherwise. Every
    byte is written by exactly one rank and is zero on all others, and integer addition of zeros
@@ -20,7 +21,8 @@ every hub tensor, proven once to tile each hub tensor exactly (``save/tiling.py`
    its buffer (the engine may keep whatever it took: nothing is ever overwritten under it).
 
 Peak extra memory per rank: one group buffer (the largest layer, its experts included), never a
-fused full tensor and never a full model. The pass order is the one whose planned peak is lower:
+fused full tensor and never a full model; on the CPU that buffer stays resident for the next pass
+(``keep_buffer``) unless a consumer still holds it. The pass order is the one whose planned peak is lower:
 the embeddings first (vLLM's order) or last, in the final group (``groups.pre_last``) - a tied
 embedding and its alias end their group with a tensor as large as the group, which a consumer's
 loop variable would pin while the next group is made. vLLM's ``WeightSource`` shape (``metadata``,
@@ -74,7 +76,7 @@ class SourceStats:
         collectives: collectives issued for data (one per group when ranks > 1).
         bytes: group buffer bytes materialised.
         peak_group_bytes: the largest group buffer (the peak extra memory of a pass).
-        pack_seconds: time spent zero-filling and copying own pieces (sender-side assembly).
+        pack_seconds: time spent zeroing and copying own pieces (sender-side assembly).
         wire_seconds: time spent in the collectives.
         held_groups: the most group buffers alive at once in the last pass (on the CPU: the one being
             made and any an earlier group's tensors still held - the consumer's, the engine's).
